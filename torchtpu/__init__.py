@@ -1,0 +1,18 @@
+"""torchtpu: an eager-first, native TPU backend for PyTorch, on JAX."""
+from . import runtime  # noqa: F401  (x64 and platform first)
+from . import device as _device
+
+_device.register_device()
+
+from . import cache, metrics, ops  # noqa: E402
+
+ops.load_all()
+_device.register_kernels()
+
+from .device import get_device  # noqa: E402
+from .modes import eager_mode, get_eager_mode, set_eager_mode, sync  # noqa: E402
+from .tensor import TpuTensor  # noqa: E402
+
+__all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "sync",
+           "TpuTensor", "metrics", "cache"]
+__version__ = "0.1.0"

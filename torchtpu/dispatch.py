@@ -1,0 +1,578 @@
+"""__torch_dispatch__: find the lowering, apply view and mutation rules from the
+op's schema, hand the kernel to the active executor.
+
+The one place for view and mutation rules:
+- an op whose schema returns an alias of an input without writing it is a
+  view: its result shares the input's Storage, with shape/stride/offset taken
+  from PyTorch's own meta kernel;
+- an op whose schema writes arguments (in-place, out=, running stats) runs
+  its functional variant, and the kernel writes the results back into the
+  written tensors' storages through their views.
+"""
+import functools
+import math
+import warnings
+
+import torch
+from torch._decomp import decomposition_table
+
+from . import cache, metrics, modes, runtime
+from .ops import LOWERINGS, ctx
+from .tensor import Storage, TpuTensor, read_view, write_view
+
+aten = torch.ops.aten
+
+_DYNAMIC_SCALAR_TYPES = (int, float, complex)
+_TENSORISH = ("Tensor", "Scalar", "Tensor?", "Scalar?")
+
+
+# ---- per-op plans ----------------------------------------------------------
+
+class Plan:
+    """What the dispatcher needs to know about one OpOverload, made once."""
+    __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
+                 "n_plain", "returns", "tensorish", "view_cache")
+
+    def __init__(self, func):
+        self.func = func
+        self.name = str(func)
+        schema = func._schema
+        self.tensorish = {}
+        for i, a in enumerate(schema.arguments):
+            t = str(a.type)
+            flag = t in _TENSORISH
+            self.tensorish[i] = flag
+            self.tensorish[a.name] = flag
+        self.written = [a.name for a in schema.arguments
+                        if a.alias_info is not None and a.alias_info.is_write]
+        self.returns = [r.alias_info for r in schema.returns]
+        self.n_plain = sum(1 for r in self.returns if r is None)
+        self.functional = None
+        self.lowering = LOWERINGS.get(func)
+        self.view_cache = {}
+        aliased = [r for r in self.returns if r is not None]
+        if self.written:
+            self.functional = _functional_variant(func)
+            fl = LOWERINGS.get(self.functional) if self.functional else None
+            self.kind = "mutate" if fl is not None else "other"
+            self.lowering = fl
+        elif aliased and self.lowering is None:
+            self.kind = "view"
+        elif self.lowering is not None:
+            self.kind = "lower"
+        else:
+            self.kind = "other"
+
+
+_plans = {}
+
+
+def plan_of(func):
+    p = _plans.get(func)
+    if p is None:
+        p = _plans[func] = Plan(func)
+    return p
+
+
+def _functional_variant(func):
+    """The functional op whose outputs are func's plain outputs followed by the
+    new values of the arguments func writes (functionalization's convention)."""
+    schema = func._schema
+    name = schema.name.split("::")[1]
+    inputs = [(a.name, str(a.type).replace("(a!)", ""))
+              for a in schema.arguments if not a.is_out]
+    candidates = [name[:-1] if name.endswith("_") else name, name + "_functional", name]
+    for cand in candidates:
+        packet = getattr(aten, cand, None)
+        if packet is None:
+            continue
+        for ov in packet.overloads():
+            op = getattr(packet, ov)
+            s = op._schema
+            if any(a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
+                continue
+            if [(a.name, str(a.type)) for a in s.arguments] == inputs:
+                return op
+    return None
+
+
+# ---- kernels ---------------------------------------------------------------
+
+class Kernel:
+    """One compiled op: fn (traceable, reused by fused mode), jitted, and how
+    to rebuild its outputs."""
+    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written")
+
+    def __init__(self, name, fn, out_dtypes, written):
+        self.name = name
+        self.fn = fn
+        self.out_dtypes = out_dtypes
+        self.out_tree = None
+        self.written = written
+        self.jitted = cache.jit(fn, name=_kernel_name(name))
+
+
+def _kernel_name(name):
+    return "tpu_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _flatten(tree, leaves):
+    """Leaves (arrays/tensors) in order; returns a template to rebuild."""
+    if isinstance(tree, (tuple, list)):
+        return (type(tree), [_flatten(t, leaves) for t in tree])
+    if tree is None:
+        return None
+    leaves.append(tree)
+    return ...
+
+
+def _unflatten(template, leaves):
+    it = iter(leaves)
+
+    def build(t):
+        if t is ...:
+            return next(it)
+        if t is None:
+            return None
+        kind, items = t
+        return kind(build(x) for x in items)
+    return build(template)
+
+
+class _Call:
+    """One op call split into what keys its kernel and what feeds it."""
+    __slots__ = ("storages", "slots", "dynamic", "tensors")
+
+    def __init__(self):
+        self.storages = []
+        self.slots = {}
+        self.dynamic = []
+        self.tensors = []
+
+
+def _spec(call, value, tensorish):
+    """The static description of one argument (part of the kernel key)."""
+    if isinstance(value, TpuTensor):
+        storage = value._storage
+        slot = call.slots.get(id(storage))
+        if slot is None:
+            slot = call.slots[id(storage)] = len(call.storages)
+            call.storages.append(storage)
+        call.tensors.append(value)
+        return ("t", slot) + value._key
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.dim() == 0:
+            return _spec(call, to_tpu(value), tensorish)
+        raise _device_mismatch(value)
+    if isinstance(value, (list, tuple)):
+        if value and any(isinstance(v, torch.Tensor) for v in value):
+            return ("l", tuple(_spec(call, v, True) for v in value))
+        return ("c", tuple(value))
+    if tensorish and type(value) in _DYNAMIC_SCALAR_TYPES:
+        call.dynamic.append(value)
+        return ("s", type(value))
+    return ("c", value)
+
+
+def _device_mismatch(value):
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two "
+        f"devices, tpu:0 and {value.device}!")
+
+
+def _materialize(spec, arrays, scalars):
+    kind = spec[0]
+    if kind == "t":
+        return read_view(arrays[spec[1]], spec[4])
+    if kind == "s":
+        return next(scalars)
+    if kind == "l":
+        return [_materialize(s, arrays, scalars) for s in spec[1]]
+    value = spec[1]
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
+    lowering = plan.lowering
+    out_dtypes = None
+    if out_meta is not None:
+        out_dtypes = [runtime.jax_dtype(m.dtype) for m in out_meta[0]]
+    # Written arguments: (slot, view) of each, in schema order.
+    written = []
+    if plan.kind == "mutate":
+        by_name = dict(kw_specs)
+        for i, a in enumerate(plan.func._schema.arguments):
+            if a.name in plan.written:
+                spec = pos_specs[i] if i < len(pos_specs) else by_name[a.name]
+                written.append(spec)
+
+    kernel = None
+
+    def fn(*flat):
+        arrays = list(flat[:n_storages])
+        scalars = iter(flat[n_storages:])
+        args = [_materialize(s, arrays, scalars) for s in pos_specs]
+        kwargs = {k: _materialize(s, arrays, scalars) for k, s in kw_specs}
+        if plan.kind == "mutate":
+            _drop_out_args(plan, args, kwargs)
+        ctx.out = out_meta[0] if out_meta is not None else None
+        result = lowering(*args, **kwargs)
+        leaves = []
+        template = _flatten(result, leaves)
+        if out_dtypes is not None and len(out_dtypes) == len(leaves):
+            leaves = [x.astype(d) if x.dtype != d else x for x, d in zip(leaves, out_dtypes)]
+        if plan.kind == "mutate":
+            new = leaves[plan.n_plain:]
+            leaves = leaves[:plan.n_plain]
+            for spec, value in zip(_flat_written(written), new):
+                slot, view = spec[1], spec[4]
+                arrays[slot] = write_view(arrays[slot], view, value)
+            written_slots = sorted({s[1] for s in _flat_written(written)})
+            kernel.out_tree = template
+            return tuple(leaves), tuple(arrays[s] for s in written_slots)
+        kernel.out_tree = template
+        return tuple(leaves), ()
+
+    kernel = Kernel(plan.name, fn, out_dtypes, written)
+    return kernel
+
+
+def _flat_written(written):
+    out = []
+    for spec in written:
+        if spec[0] == "l":
+            out.extend(spec[1])
+        else:
+            out.append(spec)
+    return out
+
+
+def _drop_out_args(plan, args, kwargs):
+    """The functional variant takes no out= arguments."""
+    for i, a in enumerate(plan.func._schema.arguments):
+        if a.is_out:
+            kwargs.pop(a.name, None)
+            if i < len(args):
+                del args[i:]
+                break
+
+
+def _meta(value):
+    if isinstance(value, TpuTensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0:
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    if isinstance(value, torch.device) and value.type == "tpu":
+        return _META
+    return value
+
+
+_META = torch.device("meta")
+
+
+def _run_meta(func, args, kwargs):
+    """PyTorch's own shape/dtype inference and error checks for this call, or
+    None when the op has no meta kernel."""
+    margs = [_meta(a) for a in args]
+    mkwargs = {k: _meta(v) for k, v in kwargs.items()}
+    try:
+        out = func(*margs, **mkwargs)
+    except NotImplementedError:
+        return None
+    except RuntimeError as e:
+        msg = str(e)
+        if "meta" in msg.lower() and ("not implemented" in msg.lower() or "could not run" in msg.lower()):
+            return None
+        raise
+    leaves = []
+    template = _flatten(out, leaves)
+    if not all(isinstance(x, torch.Tensor) for x in leaves):
+        return None
+    return leaves, template
+
+
+# ---- the dispatcher --------------------------------------------------------
+
+def dispatch(func, args, kwargs):
+    handler = SPECIAL.get(func)
+    if handler is not None:
+        return handler(*args, **kwargs)
+    plan = _plans.get(func) or plan_of(func)
+    kind = plan.kind
+    if kind == "lower" or kind == "mutate":
+        return _run_lowered(plan, args, kwargs)
+    if kind == "view":
+        return _run_view(plan, args, kwargs)
+    return _run_other(plan, args, kwargs)
+
+
+def _run_lowered(plan, args, kwargs):
+    call = _Call()
+    tensorish = plan.tensorish
+    pos_specs = tuple(_spec(call, a, tensorish.get(i, False)) for i, a in enumerate(args))
+    kw_specs = tuple((k, _spec(call, v, tensorish.get(k, False))) for k, v in kwargs.items())
+    key = (plan.func, pos_specs, kw_specs)
+    entry = cache.lookup(key)
+    if entry is None:
+        if plan.kind == "mutate":
+            _check_written(plan, args, kwargs)
+            # The functional variant's outputs decide the dtypes to cast to.
+            out_meta = _run_meta(plan.functional, *_functional_args(plan, args, kwargs))
+        else:
+            out_meta = _run_meta(plan.func, args, kwargs)
+        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta), out_meta))
+    kernel, out_meta = entry
+    metrics.M.ops_dispatched += 1
+    flat = [s.array for s in call.storages]
+    flat.extend(call.dynamic)
+    outs, new_storages = modes.current().run(kernel, flat, call)
+    if plan.kind == "mutate":
+        slots = sorted({s[1] for s in _flat_written(kernel.written)})
+        for slot, arr in zip(slots, new_storages):
+            call.storages[slot].array = arr
+    out_dtypes = [m.dtype for m in out_meta[0]] if out_meta is not None else [None] * len(outs)
+    wrapped = [TpuTensor(Storage(o), o.shape, d if d is not None else runtime.torch_dtype(o.dtype))
+               for o, d in zip(outs, out_dtypes)]
+    if plan.kind == "mutate":
+        return _mutation_result(plan, args, kwargs, wrapped)
+    return _unflatten(kernel.out_tree, wrapped)
+
+
+def _functional_args(plan, args, kwargs):
+    args = list(args)
+    kwargs = dict(kwargs)
+    _drop_out_args(plan, args, kwargs)
+    return args, kwargs
+
+
+def _check_written(plan, args, kwargs):
+    """Run PyTorch's checks for the mutating op itself (in-place broadcast,
+    result casting) on meta tensors; out= tensors must already have the
+    result's shape."""
+    margs = [_meta(a) for a in args]
+    mkwargs = {k: _meta(v) for k, v in kwargs.items()}
+    try:
+        plan.func(*margs, **mkwargs)
+    except NotImplementedError:
+        return
+    except RuntimeError as e:
+        if "meta" in str(e).lower() and "not implemented" in str(e).lower():
+            return
+        raise
+    # Meta kernels resize out= tensors in place: a changed shape means the
+    # user's out= tensor would need resizing.
+    schema = plan.func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.is_out:
+            before = args[i] if i < len(args) else kwargs.get(a.name)
+            after = margs[i] if i < len(margs) else mkwargs.get(a.name)
+            for b, m in zip(_as_list(before), _as_list(after)):
+                if isinstance(b, torch.Tensor) and tuple(b.shape) != tuple(m.shape):
+                    raise RuntimeError(
+                        f"{plan.name}: out= tensor of shape {tuple(b.shape)} would need "
+                        f"resizing to {tuple(m.shape)}; tpu tensors cannot be resized, "
+                        "pass an out= tensor of the result's shape")
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _mutation_result(plan, args, kwargs, plain):
+    schema = plan.func._schema
+    by_alias = {}
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            for s in a.alias_info.before_set:
+                by_alias[s] = value
+    results = []
+    it = iter(plain)
+    for r in plan.returns:
+        if r is None:
+            results.append(next(it))
+        else:
+            results.append(by_alias[next(iter(r.before_set))])
+    if not results:
+        return None
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _run_view(plan, args, kwargs):
+    src = args[0]
+    if not isinstance(src, TpuTensor):
+        return _run_other(plan, args, kwargs)
+    key = (src._key, tuple(src.shape), src.stride(), src.storage_offset(),
+           _hashable(args[1:]), _hashable(tuple(kwargs.items())))
+    specs = plan.view_cache.get(key)
+    if specs is None:
+        numel = math.prod(src._storage.array.shape)
+        base = torch.empty(numel, dtype=src.dtype, device="meta").as_strided(
+            src.shape, src.stride(), src.storage_offset())
+        out = plan.func(base, *args[1:], **kwargs)
+        leaves = []
+        template = _flatten(out, leaves)
+        if any(m.dtype != src.dtype for m in leaves):
+            raise NotImplementedError(f"{plan.name}: dtype-changing views")
+        specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset()) for m in leaves])
+        plan.view_cache[key] = specs
+    template, leaves = specs
+    metrics.M.ops_dispatched += 1
+    storage = src._storage
+    outs = [TpuTensor(storage, shape, src.dtype, stride, offset) for shape, stride, offset in leaves]
+    return _unflatten(template, outs)
+
+
+def _hashable(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_hashable(v) for v in x)
+    if isinstance(x, torch.Tensor):
+        raise TypeError("tensor in a view op's static arguments")
+    return x
+
+
+_warned_fallback = set()
+
+
+def _run_other(plan, args, kwargs):
+    func = plan.func
+    decomp = decomposition_table.get(func)
+    if decomp is not None:
+        metrics.M.decompositions[plan.name] += 1
+        out = decomp(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    out = func.decompose(*args, **kwargs)
+    if out is not NotImplemented:
+        metrics.M.decompositions[plan.name] += 1
+        return out
+    return cpu_fallback(plan, args, kwargs)
+
+
+def cpu_fallback(plan, args, kwargs):
+    """Run the op on CPU: copy in, run, copy results (and written args) back."""
+    name = plan.name
+    metrics.M.cpu_fallbacks[name] += 1
+    if name not in _warned_fallback:
+        _warned_fallback.add(name)
+        warnings.warn(f"torchtpu: {name} has no tpu lowering; running it on CPU "
+                      "(counted in torchtpu.metrics cpu_fallbacks)", stacklevel=4)
+    modes.note_sync("cpu_fallback")
+    moved = {}
+
+    def to_cpu(x):
+        if isinstance(x, TpuTensor):
+            if id(x) not in moved:
+                moved[id(x)] = (x, download(x))
+            return moved[id(x)][1]
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_cpu(v) for v in x)
+        return x
+
+    cargs = [to_cpu(a) for a in args]
+    ckwargs = {k: to_cpu(v) for k, v in kwargs.items()}
+    out = plan.func(*cargs, **ckwargs)
+    written = set(plan.written)
+    schema = plan.func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.name in written:
+            orig = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in _as_list(orig):
+                if isinstance(t, TpuTensor):
+                    copy_into(t, moved[id(t)][1])
+
+    def back(x):
+        if isinstance(x, torch.Tensor):
+            for orig, cpu in moved.values():
+                if x is cpu:
+                    return orig
+            return to_tpu(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(back(v) for v in x)
+        return x
+    return back(out)
+
+
+# ---- host <-> device -------------------------------------------------------
+
+def to_tpu(t):
+    """A CPU tensor -> a new TpuTensor holding a copy."""
+    arr = runtime.to_device(t)
+    return TpuTensor(Storage(arr), tuple(t.shape), t.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _reader(view):
+    return cache.jit(lambda arr: read_view(arr, view), name="tpu_read_view")
+
+
+def device_array(t):
+    """The concrete JAX array of t's values (in t's shape), syncing if needed."""
+    arr = modes.current().concrete(t._storage)
+    if t._view is None:
+        return arr
+    return _reader(t._view)(arr)
+
+
+def download(t):
+    """A TpuTensor -> a new CPU tensor with its values."""
+    metrics.M.syncs += 1
+    return runtime.to_host(device_array(t))
+
+
+def copy_into(dst, src_cpu):
+    """Write a CPU tensor's values into a TpuTensor (through its view)."""
+    src_cpu = src_cpu.to(dst.dtype).expand(dst.shape).contiguous()
+    src = to_tpu(src_cpu)
+    return dispatch(aten.copy_.default, (dst, src), {})
+
+
+# ---- ops the dispatcher handles itself ------------------------------------
+
+def _copy_(dst, src, non_blocking=False):
+    if isinstance(dst, TpuTensor) and not isinstance(src, TpuTensor):
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"copy_(): argument 'src' must be Tensor, not {type(src).__name__}")
+        torch.empty(dst.shape, dtype=dst.dtype, device="meta").copy_(src.to("meta"))
+        src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous())
+    elif not isinstance(dst, TpuTensor):
+        # dst on CPU, src on tpu
+        dst.copy_(download(src))
+        return dst
+    return _run_lowered(plan_of(aten.copy_.default), (dst, src), {})
+
+
+def _local_scalar_dense(x):
+    modes.note_sync("item")
+    return download(x).item()
+
+
+def _copy_from(src, dst, non_blocking=False):
+    return _copy_(dst, src)
+
+
+SPECIAL = {
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.copy_.default: _copy_,
+    aten._copy_from.default: _copy_from,
+}
+
+
+def _to_copy_handler(x, **kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        modes.note_sync("cpu")
+        out = download(x)
+        dtype = kwargs.get("dtype")
+        return out.to(dtype) if dtype is not None else out
+    kwargs.pop("device", None)
+    kwargs.pop("layout", None)
+    kwargs.pop("pin_memory", None)
+    kwargs.pop("non_blocking", None)
+    kwargs.pop("memory_format", None)
+    return _run_lowered(plan_of(aten._to_copy.default), (x,), kwargs)
+
+
+SPECIAL[aten._to_copy.default] = _to_copy_handler

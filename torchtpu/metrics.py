@@ -1,0 +1,71 @@
+"""Counters of what torchtpu did: ops, compilations, cache hits, syncs, fallbacks."""
+import collections
+
+_COUNTERS = ("ops_dispatched", "compilations", "memory_cache_hits",
+             "disk_cache_hits", "disk_cache_misses", "syncs")
+
+
+class _Metrics:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        for name in _COUNTERS:
+            setattr(self, name, 0)
+        self.compile_seconds = 0.0
+        self.cpu_fallbacks = collections.Counter()
+        self.decompositions = collections.Counter()
+        self.extra = {}  # counters owned by other layers (fused mode, cache)
+
+
+M = _Metrics()
+_providers = []
+
+
+def register_provider(fn):
+    """fn() -> dict merged into snapshot(); lets a layer report its own figures."""
+    _providers.append(fn)
+
+
+def reset():
+    M.reset()
+
+
+def snapshot():
+    snap = {name: getattr(M, name) for name in _COUNTERS}
+    snap["compile_seconds"] = round(M.compile_seconds, 6)
+    snap["cpu_fallbacks"] = dict(M.cpu_fallbacks)
+    snap["decompositions"] = dict(M.decompositions)
+    snap.update(M.extra)
+    for fn in _providers:
+        snap.update(fn())
+    return snap
+
+
+def _rows():
+    rows = []
+    for key, value in snapshot().items():
+        if isinstance(value, dict):
+            if not value:
+                rows.append((key, "-"))
+            for sub, count in sorted(value.items(), key=lambda kv: -kv[1] if isinstance(kv[1], (int, float)) else 0):
+                rows.append((f"{key}[{sub}]", count))
+        else:
+            rows.append((key, value))
+    return rows
+
+
+class Report(str):
+    """The metrics table as text; renders as an HTML table in notebooks."""
+
+    def _repr_html_(self):
+        cells = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in _rows())
+        return f"<table><tr><th>metric</th><th>value</th></tr>{cells}</table>"
+
+
+def report():
+    rows = _rows()
+    width = max(len(k) for k, _ in rows)
+    lines = ["torchtpu metrics", "-" * (width + 16)]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return Report("\n".join(lines))

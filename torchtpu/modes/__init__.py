@@ -1,0 +1,84 @@
+"""The eager modes: debug, strict, fused. Same interface, different timing.
+
+An executor has run(kernel, flat, call) -> (outputs, new storage arrays),
+concrete(storage) -> the storage's concrete array (waiting as needed) and
+sync() -> wait for all issued work.
+"""
+import contextlib
+import os
+
+MODES = ("debug", "strict", "fused")
+_executors = {}
+_current = None
+_sync_reason = None
+
+
+def _executor(name):
+    ex = _executors.get(name)
+    if ex is None:
+        if name == "debug":
+            from .debug import DebugExecutor as cls
+        elif name == "strict":
+            from .strict import StrictExecutor as cls
+        else:
+            from .fused import FusedExecutor as cls
+        ex = _executors[name] = cls()
+    return ex
+
+
+def _check(name):
+    if name not in MODES:
+        raise ValueError(f"unknown eager mode {name!r}; valid modes are: {', '.join(MODES)}")
+    return name
+
+
+def current():
+    return _current
+
+
+def get_eager_mode():
+    return _current.name
+
+
+def set_eager_mode(name):
+    global _current
+    _check(name)
+    if _current is not None and _current.name != name:
+        note_sync("mode_switch")
+        _current.sync()
+    _current = _executor(name)
+
+
+@contextlib.contextmanager
+def eager_mode(name):
+    """Run the block in the given eager mode, then restore the previous one."""
+    _check(name)
+    previous = get_eager_mode()
+    set_eager_mode(name)
+    try:
+        yield
+    finally:
+        set_eager_mode(previous)
+
+
+def note_sync(reason):
+    """Name the reason for the next flush (fused mode reports it)."""
+    global _sync_reason
+    _sync_reason = reason
+
+
+def take_sync_reason(default):
+    global _sync_reason
+    reason, _sync_reason = _sync_reason, None
+    return reason or default
+
+
+def sync():
+    """Wait for all pending work."""
+    from .. import metrics
+    metrics.M.syncs += 1
+    note_sync("sync")
+    _current.sync()
+
+
+set_eager_mode(_check(os.environ.get("TORCHTPU_EAGER_MODE", "strict").strip().lower() or "strict"))

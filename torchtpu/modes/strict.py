@@ -1,0 +1,23 @@
+"""strict: each op is one jitted call, issued asynchronously; the host runs
+ahead until a value is needed."""
+import jax
+
+
+class StrictExecutor:
+    name = "strict"
+
+    def __init__(self):
+        self._last = None
+
+    def run(self, kernel, flat, call):
+        outs, written = kernel.jitted(*flat)
+        self._last = (outs, written)
+        return outs, written
+
+    def concrete(self, storage):
+        return storage.array
+
+    def sync(self):
+        if self._last is not None:
+            jax.block_until_ready(self._last)
+            self._last = None

@@ -1,0 +1,44 @@
+"""Lowerings: one JAX function per aten op, registered by decorator.
+
+A lowering takes the op's arguments with every tensor replaced by a JAX
+array (already materialized from its view) and returns JAX arrays in the
+structure of the op's returns. Dynamic scalars (Python numbers given where
+the schema takes a Tensor or Scalar) arrive as traced 0-d weakly-typed
+arrays, so a changing learning rate never recompiles. The dispatcher casts
+results to the dtype PyTorch's meta kernel reports, so a lowering may
+compute in a wider type.
+
+In-place and out= variants are not lowered: the dispatcher runs the
+functional op and writes the results back through the views.
+"""
+import torch
+
+LOWERINGS = {}
+
+
+def lower(*ops):
+    """Register fn as the lowering of aten overloads (an OpOverloadPacket
+    means all its overloads not registered otherwise)."""
+    def deco(fn):
+        for op in ops:
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                for name in op.overloads():
+                    LOWERINGS.setdefault(getattr(op, name), fn)
+            else:
+                LOWERINGS[op] = fn
+        return fn
+    return deco
+
+
+class TraceContext:
+    """What the op being traced returns, per PyTorch's meta kernel: a list of
+    (shape, torch dtype) for its tensor outputs, or None if unknown."""
+    out = None
+
+
+ctx = TraceContext()
+
+
+def load_all():
+    from . import (creation, indexing, linalg, nn, pointwise, random,  # noqa: F401
+                   reduction, shape)

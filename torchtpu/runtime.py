@@ -1,0 +1,94 @@
+"""The JAX runtime: platform choice, x64, dtype maps, host<->device transfer."""
+import os
+
+import jax
+
+# int64 and float64 must stay what they are.
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+_PREFERENCE = ("tpu", "gpu", "cpu")
+
+
+def _choose_platform():
+    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
+    if wanted:
+        if wanted not in _PREFERENCE:
+            raise ValueError(
+                f"TORCHTPU_PLATFORM={wanted!r} is not one of {', '.join(_PREFERENCE)}")
+        return wanted
+    for name in _PREFERENCE:
+        try:
+            if jax.devices(name):
+                return name
+        except RuntimeError:
+            continue
+    return "cpu"
+
+
+PLATFORM = _choose_platform()
+DEVICES = jax.devices(PLATFORM)
+
+
+def device(index=0):
+    return DEVICES[index]
+
+
+TORCH_TO_JAX = {
+    torch.bool: jnp.bool_,
+    torch.uint8: jnp.uint8,
+    torch.uint16: jnp.uint16,
+    torch.uint32: jnp.uint32,
+    torch.uint64: jnp.uint64,
+    torch.int8: jnp.int8,
+    torch.int16: jnp.int16,
+    torch.int32: jnp.int32,
+    torch.int64: jnp.int64,
+    torch.float16: jnp.float16,
+    torch.bfloat16: jnp.bfloat16,
+    torch.float32: jnp.float32,
+    torch.float64: jnp.float64,
+    torch.complex64: jnp.complex64,
+    torch.complex128: jnp.complex128,
+}
+JAX_TO_TORCH = {np.dtype(v): k for k, v in TORCH_TO_JAX.items()}
+
+
+def jax_dtype(dtype):
+    try:
+        return TORCH_TO_JAX[dtype]
+    except KeyError:
+        raise TypeError(f"tpu tensors do not support dtype {dtype}") from None
+
+
+def torch_dtype(dtype):
+    return JAX_TO_TORCH[np.dtype(dtype)]
+
+
+def to_device(t: torch.Tensor, dev=None):
+    """A CPU torch tensor -> a JAX array on the device (always a copy: the
+    CPU tensor stays the user's to mutate)."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        host = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        host = t.numpy()
+    return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
+
+
+def to_host(arr) -> torch.Tensor:
+    """A JAX array -> a new CPU torch tensor that owns its memory."""
+    host = np.array(arr, copy=True)
+    if host.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(host)

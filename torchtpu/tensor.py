@@ -1,0 +1,205 @@
+"""TpuTensor: a handle to shared storage plus how this tensor views it.
+
+A Storage holds one JAX array (or, in fused mode, a pending value with the
+same .shape and .dtype) in the shape of the tensor that created it. Every
+tensor that aliases it (views, detach, the base) holds the same Storage; a
+write replaces Storage.array, so all of them see it.
+
+A tensor's view is None when it *is* the storage array (same shape,
+contiguous, offset 0), else (shape, stride, offset) in elements over the
+flattened storage. read_view/write_view turn that into JAX code; they run at
+trace time, inside the one jitted kernel of each op.
+"""
+import math
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+DEVICE = torch.device("tpu", 0)
+
+
+class Storage:
+    __slots__ = ("array", "__weakref__")
+
+    def __init__(self, array):
+        self.array = array
+
+
+def contiguous_strides(shape):
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _is_contiguous(shape, stride):
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride)):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
+def make_view(storage_shape, shape, stride, offset):
+    """The view spec of a tensor over a storage array of storage_shape."""
+    shape, stride = tuple(shape), tuple(stride)
+    if offset == 0 and shape == tuple(storage_shape) and _is_contiguous(shape, stride):
+        return None
+    return (shape, stride, offset)
+
+
+class TpuTensor(torch.Tensor):
+    """A tensor on the tpu device. Its data lives in self._storage."""
+
+    @staticmethod
+    def __new__(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):
+        if stride is None:
+            r = torch.Tensor._make_wrapper_subclass(
+                cls, shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
+        else:
+            r = torch.Tensor._make_wrapper_subclass(
+                cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
+                device=DEVICE, requires_grad=requires_grad)
+        r._storage = storage
+        view = None if stride is None and offset == 0 else make_view(
+            storage.array.shape, shape, stride, offset)
+        r._view = view
+        # What a kernel needs to know about this input (its cache key part).
+        r._key = (dtype, storage.array.shape, view)
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch
+        return dispatch(func, args, kwargs or {})
+
+    def __reduce_ex__(self, proto):
+        # Serialize through a CPU copy; torch.load's map_location applies.
+        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
+                (self.cpu(), self.dtype, str(self.device), self.requires_grad))
+
+    def __repr__(self, *, tensor_contents=None):
+        # Print a CPU copy (one transfer, no device ops), then name the device
+        # where PyTorch puts it: the first suffix after the data.
+        from . import modes
+        modes.note_sync("print")
+        text = torch._tensor_str._str(self.detach().cpu(), tensor_contents=tensor_contents)
+        device = f"device='{self.device}'"
+        match = re.search(r",(\s+)(size=|dtype=)", text)
+        if match:
+            text = f"{text[:match.start()]}, {device},{match.group(1)}{text[match.start() + 1 + len(match.group(1)):]}"
+        else:
+            text = f"{text[:-1]}, {device})"
+        if self.grad_fn is not None:
+            text = f"{text[:-1]}, grad_fn=<{type(self.grad_fn).__name__}>)"
+        elif self.requires_grad:
+            text = f"{text[:-1]}, requires_grad=True)"
+        return text
+
+    def __format__(self, spec):
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def tolist(self):
+        return self.cpu().tolist()
+
+    def numpy(self, *, force=False):
+        if not force:
+            raise TypeError("can't convert tpu:0 device type tensor to numpy. "
+                            "Use Tensor.cpu() to copy the tensor to host memory first.")
+        return self.detach().cpu().numpy()
+
+
+def wrap(array, dtype=None):
+    """A new tensor owning a fresh storage that holds array."""
+    from .runtime import torch_dtype
+    return TpuTensor(Storage(array), array.shape,
+                     dtype if dtype is not None else torch_dtype(array.dtype))
+
+
+# ---- views as JAX code (trace time) ---------------------------------------
+
+def _dense_chain(shape, stride):
+    """Dims (size>1, stride>0) ordered by decreasing stride, if each stride is a
+    multiple of the next and the dims do not overlap; else None."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] > 1 and stride[d] > 0),
+                  key=lambda d: -stride[d])
+    for a, b in zip(dims, dims[1:]):
+        if stride[a] % stride[b] or stride[a] < stride[b] * shape[b]:
+            return None
+    return dims
+
+
+def _finish(core, dims, shape, stride):
+    """core has dims `dims` in that order; put dims back in place and broadcast
+    size-1 / stride-0 dims."""
+    order = sorted(range(len(dims)), key=lambda i: dims[i])
+    core = jnp.transpose(core, order) if order != list(range(len(dims))) else core
+    kept = sorted(dims)
+    full = [shape[d] if d in kept else 1 for d in range(len(shape))]
+    core = core.reshape(full)
+    return jnp.broadcast_to(core, shape) if tuple(full) != tuple(shape) else core
+
+
+def _flat_indices(shape, stride, offset):
+    idx = jnp.asarray(offset, dtype=jnp.int64)
+    for d, (size, st) in enumerate(zip(shape, stride)):
+        ax = lax.broadcasted_iota(jnp.int64, shape, d)
+        idx = idx + ax * st
+    return jnp.broadcast_to(idx, shape)
+
+
+def read_view(arr, view):
+    if view is None:
+        return arr
+    shape, stride, offset = view
+    flat = arr.reshape(-1)
+    n = math.prod(shape)
+    if n == 0:
+        return jnp.zeros(shape, arr.dtype)
+    if _is_contiguous(shape, stride):
+        if offset == 0 and n == flat.shape[0]:
+            return flat.reshape(shape)
+        return lax.slice(flat, (offset,), (offset + n,)).reshape(shape)
+    dims = _dense_chain(shape, stride)
+    if dims is None:
+        return flat[_flat_indices(shape, stride, offset)]
+    if not dims:
+        return jnp.broadcast_to(flat[offset], shape)
+    top = dims[0]
+    need = shape[top] * stride[top]
+    window = flat[offset:offset + need]
+    if window.shape[0] < need:
+        window = jnp.pad(window, (0, need - window.shape[0]))
+    dense = [shape[top]] + [stride[a] // stride[b] for a, b in zip(dims, dims[1:])] + [stride[dims[-1]]]
+    window = window.reshape(dense)
+    index = (slice(None),) + tuple(slice(0, shape[b]) for b in dims[1:]) + (0,)
+    return _finish(window[index], dims, shape, stride)
+
+
+def write_view(arr, view, value):
+    """arr with the elements that view selects replaced by value."""
+    value = value.astype(arr.dtype)
+    if view is None:
+        return jnp.broadcast_to(value, arr.shape)
+    shape, stride, offset = view
+    value = jnp.broadcast_to(value, shape)
+    flat = arr.reshape(-1)
+    n = math.prod(shape)
+    if n == 0:
+        return arr
+    if _is_contiguous(shape, stride):
+        if offset == 0 and n == flat.shape[0]:
+            return value.reshape(arr.shape)
+        flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
+        return flat.reshape(arr.shape)
+    idx = _flat_indices(shape, stride, offset)
+    return flat.at[idx.reshape(-1)].set(value.reshape(-1)).reshape(arr.shape)
