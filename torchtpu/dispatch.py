@@ -18,6 +18,7 @@ from torch._decomp import decomposition_table
 
 from . import cache, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
+from .ops import random as rng
 from .tensor import Storage, TpuTensor, read_view, write_view
 
 aten = torch.ops.aten
@@ -31,7 +32,7 @@ _TENSORISH = ("Tensor", "Scalar", "Tensor?", "Scalar?")
 class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
-                 "n_plain", "returns", "tensorish", "view_cache")
+                 "n_plain", "returns", "tensorish", "view_cache", "random")
 
     def __init__(self, func):
         self.func = func
@@ -62,6 +63,7 @@ class Plan:
             self.kind = "lower"
         else:
             self.kind = "other"
+        self.random = getattr(self.lowering, "random", False)
 
 
 _plans = {}
@@ -215,6 +217,8 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
         kwargs = {k: _materialize(s, arrays, scalars) for k, s in kw_specs}
         if plan.kind == "mutate":
             _drop_out_args(plan, args, kwargs)
+        if plan.random:
+            kwargs["key"] = rng.key_from(next(scalars), next(scalars))
         ctx.out = out_meta[0] if out_meta is not None else None
         result = lowering(*args, **kwargs)
         leaves = []
@@ -327,6 +331,8 @@ def _run_lowered(plan, args, kwargs):
     metrics.M.ops_dispatched += 1
     flat = [s.array for s in call.storages]
     flat.extend(call.dynamic)
+    if plan.random:
+        flat.extend(rng.next_key())
     outs, new_storages = modes.current().run(kernel, flat, call)
     if plan.kind == "mutate":
         slots = sorted({s[1] for s in _flat_written(kernel.written)})

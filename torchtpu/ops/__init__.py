@@ -16,10 +16,15 @@ import torch
 LOWERINGS = {}
 
 
-def lower(*ops):
+def lower(*ops, random=False):
     """Register fn as the lowering of aten overloads (an OpOverloadPacket
-    means all its overloads not registered otherwise)."""
+    means all its overloads not registered otherwise).
+
+    random=True: fn also takes key=, a JAX PRNG key that the dispatcher
+    derives inside the kernel from the device generator's (seed, offset),
+    passed as dynamic inputs so that successive calls never recompile."""
     def deco(fn):
+        fn.random = random
         for op in ops:
             if isinstance(op, torch._ops.OpOverloadPacket):
                 for name in op.overloads():
