@@ -83,18 +83,27 @@ def _functional_variant(func):
     name = schema.name.split("::")[1]
     inputs = [(a.name, str(a.type).replace("(a!)", ""))
               for a in schema.arguments if not a.is_out]
-    candidates = [name[:-1] if name.endswith("_") else name, name + "_functional", name]
-    for cand in candidates:
-        packet = getattr(aten, cand, None)
-        if packet is None:
-            continue
-        for ov in packet.overloads():
-            op = getattr(packet, ov)
-            s = op._schema
-            if any(a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
+    base = name[:-1] if name.endswith("_") else name
+    candidates = [base, base + "_functional", name]
+    # Exact argument match first; then a functional op that only adds
+    # defaulted keyword arguments (randperm.generator_out -> randperm.generator).
+    for exact in (True, False):
+        for cand in candidates:
+            packet = getattr(aten, cand, None)
+            if packet is None:
                 continue
-            if [(a.name, str(a.type)) for a in s.arguments] == inputs:
-                return op
+            for ov in packet.overloads():
+                op = getattr(packet, ov)
+                s = op._schema
+                if any(a.alias_info is not None and a.alias_info.is_write for a in s.arguments):
+                    continue
+                args = [(a.name, str(a.type)) for a in s.arguments]
+                if args == inputs:
+                    return op
+                if (not exact and args[:len(inputs)] == inputs
+                        and all(a.kwarg_only and a.has_default_value()
+                                for a in s.arguments[len(inputs):])):
+                    return op
     return None
 
 
@@ -103,7 +112,7 @@ def _functional_variant(func):
 class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
-    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written")
+    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written", "avals")
 
     def __init__(self, name, fn, out_dtypes, written):
         self.name = name
@@ -111,6 +120,7 @@ class Kernel:
         self.out_dtypes = out_dtypes
         self.out_tree = None
         self.written = written
+        self.avals = None  # output avals, filled by fused mode on first use
         self.jitted = cache.jit(fn, name=_kernel_name(name))
 
 
@@ -337,7 +347,7 @@ def _run_lowered(plan, args, kwargs):
     if plan.kind == "mutate":
         slots = sorted({s[1] for s in _flat_written(kernel.written)})
         for slot, arr in zip(slots, new_storages):
-            call.storages[slot].array = arr
+            call.storages[slot].assign(arr)
     out_dtypes = [m.dtype for m in out_meta[0]] if out_meta is not None else [None] * len(outs)
     wrapped = [TpuTensor(Storage(o), o.shape, d if d is not None else runtime.torch_dtype(o.dtype))
                for o, d in zip(outs, out_dtypes)]
