@@ -1,6 +1,7 @@
 """The tpu device: PrivateUse1 for a pure-Python backend, factory kernels, and
 the torch.tpu device module."""
 import types
+import warnings
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -79,6 +80,45 @@ def _factory(op):
     return kernel
 
 
+# Factories whose CompositeExplicit kernels would build the result through an
+# out= op (arange -> arange.start_out) go straight to their functional
+# lowering; (overload, to(args) -> (overload, args)) normalizes the aliases.
+_FACTORIES = {
+    "arange.default": lambda end, **kw: (aten.arange.start_step, (0, end, 1), kw),
+    "arange.start": lambda start, end, **kw: (aten.arange.start_step, (start, end, 1), kw),
+    "arange.start_step": lambda *a, **kw: (aten.arange.start_step, a, kw),
+    "eye.default": lambda n, **kw: (aten.eye.m, (n, n), kw),
+    "eye.m": lambda *a, **kw: (aten.eye.m, a, kw),
+    "linspace.default": lambda *a, **kw: (aten.linspace.default, a, kw),
+    "logspace.default": lambda *a, **kw: (aten.logspace.default, a, kw),
+    "randperm.default": lambda *a, **kw: (aten.randperm.default, a, kw),
+    "randperm.generator": lambda *a, **kw: (aten.randperm.generator, a, kw),
+    "tril_indices.default": lambda *a, **kw: (aten.tril_indices.default, a, kw),
+    "triu_indices.default": lambda *a, **kw: (aten.triu_indices.default, a, kw),
+}
+
+
+def _lowered_factory(normalize):
+    """Dispatch to the op's lowering; without one, build it on CPU and copy it
+    over (counted as a CPU fallback)."""
+    def kernel(*args, **kwargs):
+        from . import dispatch as _dispatch
+        from .ops import LOWERINGS
+        op, args, kwargs = normalize(*args, **kwargs)
+        if op in LOWERINGS:
+            return _dispatch.dispatch(op, args, kwargs)
+        from . import metrics
+        name = str(op)
+        metrics.M.cpu_fallbacks[name] += 1
+        if name not in _dispatch._warned_fallback:
+            _dispatch._warned_fallback.add(name)
+            warnings.warn(f"torchtpu: {name} has no tpu lowering; building it on CPU "
+                          "(counted in torchtpu.metrics cpu_fallbacks)", stacklevel=2)
+        out = op(*args, **dict(kwargs, device="cpu"))
+        return _dispatch.to_tpu(out)
+    return kernel
+
+
 _lib = None
 
 
@@ -95,6 +135,8 @@ def register_kernels():
         op = getattr(aten, name.split(".")[0])
         op = getattr(op, name.split(".")[1] if "." in name else "default")
         _lib.impl(name, _factory(op), "PrivateUse1")
+    for name, normalize in _FACTORIES.items():
+        _lib.impl(name.replace(".default", ""), _lowered_factory(normalize), "PrivateUse1")
     from .dispatch import _copy_
     _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")

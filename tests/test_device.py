@@ -1,0 +1,238 @@
+"""The tpu device: registration, torch.tpu, moving data, printing, saving, dtypes."""
+import io
+
+import pytest
+import torch
+from conftest import assert_same
+
+import torchtpu
+
+
+# ---- the device and torch.tpu ------------------------------------------------
+
+def test_get_device():
+    assert torchtpu.get_device() == torch.device("tpu", 0)
+    assert torchtpu.get_device(0).type == "tpu"
+
+
+def test_torch_tpu_module():
+    assert torch.tpu.is_available() is True
+    assert torch.tpu.device_count() >= 1
+    assert torch.tpu.current_device() == 0
+    torch.tpu.set_device(0)
+    torch.tpu.set_device("tpu:0")
+    torch.tpu.set_device(torch.device("tpu", 0))
+    with pytest.raises(RuntimeError):
+        torch.tpu.set_device(5)
+    torch.tpu.synchronize()
+
+
+def test_amp_supported_dtype():
+    dtypes = torch.tpu.get_amp_supported_dtype()
+    assert torch.bfloat16 in dtypes
+
+
+def test_current_accelerator():
+    acc = torch.accelerator.current_accelerator()
+    assert acc is not None and acc.type == "tpu"
+    assert torch.accelerator.is_available()
+
+
+# ---- moving data -------------------------------------------------------------
+
+def test_to_tpu_and_back():
+    cpu = torch.randn(3, 4)
+    for t in (cpu.to("tpu"), cpu.to(torchtpu.get_device()), cpu.tpu(), cpu.to("tpu:0")):
+        assert t.device == torch.device("tpu", 0)
+        assert t.is_tpu and not cpu.is_tpu
+        back = t.cpu()
+        assert back.device.type == "cpu" and not isinstance(back, torchtpu.TpuTensor)
+        torch.testing.assert_close(back, cpu, rtol=0, atol=0)
+
+
+def test_to_dtype_and_device_at_once():
+    cpu = torch.randn(3, 4)
+    t = cpu.to("tpu", torch.float64)
+    assert t.dtype == torch.float64 and t.is_tpu
+    assert_same(t, cpu.double())
+
+
+def test_module_to_device():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(torchtpu.get_device())
+    for name, value in model.state_dict().items():
+        assert value.is_tpu, name
+        assert_same(value, ref[name], rtol=0, atol=0)
+    assert all(p.is_tpu and p.requires_grad for p in model.parameters())
+
+
+def test_item():
+    t = torch.tensor([2.5, -1.0]).tpu()
+    assert t[0].item() == 2.5
+    assert torch.tensor(7).tpu().item() == 7
+    assert isinstance(torch.tensor(7).tpu().item(), int)
+    assert torch.tensor(True).tpu().item() is True
+
+
+def test_tolist():
+    cpu = torch.tensor([[1, 2], [3, 4]])
+    assert cpu.tpu().tolist() == [[1, 2], [3, 4]]
+    assert torch.tensor([0.5, 1.5]).tpu().tolist() == [0.5, 1.5]
+
+
+def test_numpy_after_cpu():
+    cpu = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    t = cpu.tpu()
+    arr = t.cpu().numpy()
+    assert arr.dtype.name == "float32" and arr.shape == (2, 3)
+    assert arr.tolist() == cpu.tolist()
+    with pytest.raises(TypeError):
+        t.numpy()
+
+
+def test_cpu_scalar_mixing_allowed():
+    x = torch.tensor([1.0, 2.0]).tpu()
+    out = x + torch.tensor(3.0)
+    assert_same(out, torch.tensor([4.0, 5.0]))
+
+
+def test_device_mixing_raises_like_cuda():
+    x = torch.ones(3).tpu()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        x + torch.ones(3)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(3) + x
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.mm(torch.ones(2, 2).tpu(), torch.ones(2, 2))
+
+
+# ---- printing ----------------------------------------------------------------
+
+def test_repr_shows_device():
+    cpu = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    text = repr(cpu.tpu())
+    assert text == "tensor([[1., 2.],\n        [3., 4.]], device='tpu:0')"
+    assert str(cpu.tpu()) == text
+
+
+def test_repr_with_dtype_and_grad():
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64).tpu()
+    assert repr(x) == "tensor([1., 2.], device='tpu:0', dtype=torch.float64)"
+    leaf = torch.tensor([1.0, 2.0]).tpu().requires_grad_()
+    assert repr(leaf) == "tensor([1., 2.], device='tpu:0', requires_grad=True)"
+    assert repr(leaf * 2) == "tensor([2., 4.], device='tpu:0', grad_fn=<MulBackward0>)"
+
+
+def test_print(capsys):
+    print(torch.tensor([5]).tpu())
+    assert capsys.readouterr().out == "tensor([5], device='tpu:0')\n"
+
+
+# ---- saving and loading --------------------------------------------------------
+
+def _roundtrip(obj, **load_kw):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, **load_kw)
+
+
+def test_save_load_tensor():
+    cpu = torch.randn(3, 2)
+    loaded = _roundtrip(cpu.tpu())
+    assert loaded.is_tpu
+    assert_same(loaded, cpu, rtol=0, atol=0)
+    loaded = _roundtrip(cpu.tpu(), map_location="cpu")
+    assert loaded.device.type == "cpu" and not isinstance(loaded, torchtpu.TpuTensor)
+    torch.testing.assert_close(loaded, cpu, rtol=0, atol=0)
+
+
+def test_save_load_state_dict():
+    model = torch.nn.Linear(3, 2)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to("tpu")
+    state = _roundtrip(model.state_dict(), map_location="cpu")
+    for k, v in state.items():
+        assert v.device.type == "cpu"
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=0)
+    fresh = torch.nn.Linear(3, 2).to("tpu")
+    fresh.load_state_dict(_roundtrip(model.state_dict()))
+    for k, v in fresh.state_dict().items():
+        assert_same(v, ref[k], rtol=0, atol=0)
+
+
+# ---- random numbers --------------------------------------------------------------
+
+def test_manual_seed_reproducible():
+    def draw():
+        return [torch.rand(4, device="tpu").cpu(), torch.randn(2, 3, device="tpu").cpu(),
+                torch.randint(0, 1000, (5,), device="tpu").cpu()]
+    torch.manual_seed(123)
+    a = draw()
+    torch.manual_seed(123)
+    b = draw()
+    torch.manual_seed(124)
+    c = draw()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert not torch.equal(a[0], c[0])
+    assert a[0].dtype == torch.float32 and a[2].dtype == torch.int64
+    assert (a[0] >= 0).all() and (a[0] < 1).all()
+    assert (a[2] >= 0).all() and (a[2] < 1000).all()
+
+
+def test_tpu_manual_seed_and_rng_state():
+    torch.tpu.manual_seed(7)
+    state = torch.tpu.get_rng_state()
+    assert state.dtype == torch.uint8
+    a = torch.rand(4, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    b = torch.rand(4, device="tpu").cpu()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.tpu.manual_seed_all(7)
+    c = torch.rand(4, device="tpu").cpu()
+    torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+# ---- factories and dtypes ---------------------------------------------------------
+
+def test_factories():
+    assert_same(torch.zeros(2, 3, device="tpu"), torch.zeros(2, 3))
+    assert_same(torch.ones(2, dtype=torch.int32, device="tpu"), torch.ones(2, dtype=torch.int32))
+    assert_same(torch.full((2,), 3.5, device="tpu"), torch.full((2,), 3.5))
+    assert_same(torch.tensor([1, 2, 3], device="tpu"), torch.tensor([1, 2, 3]))
+    assert_same(torch.arange(1, 10, 2, device="tpu"), torch.arange(1, 10, 2))
+    assert_same(torch.arange(0, 1, 0.25, device="tpu"), torch.arange(0, 1, 0.25))
+    assert torch.empty(4, 5, device="tpu").shape == (4, 5)
+
+
+def test_int64_stays_int64():
+    t = torch.arange(5, device="tpu")
+    assert t.dtype == torch.int64
+    assert_same(t, torch.arange(5))
+    big = torch.tensor([2**40 + 1, -(2**41) - 3, 2**62], dtype=torch.int64)
+    back = big.tpu().cpu()
+    assert back.dtype == torch.int64 and back.tolist() == big.tolist()
+    assert_same(big.tpu() + 1, big + 1, rtol=0, atol=0)
+
+
+def test_float64_stays_float64():
+    cpu = torch.tensor([1 / 3, 2 ** -40], dtype=torch.float64)
+    t = cpu.tpu()
+    assert t.dtype == torch.float64
+    assert_same(t * 3, cpu * 3, rtol=0, atol=0)
+    assert (t * 3).cpu().tolist() == (cpu * 3).tolist()
+
+
+def test_bfloat16():
+    cpu = torch.randn(8).bfloat16()
+    t = cpu.tpu()
+    assert t.dtype == torch.bfloat16
+    assert_same(t, cpu, rtol=0, atol=0)
+    assert_same(t * 2 + 1, cpu * 2 + 1)
+    assert_same(t.float(), cpu.float())
+    x = torch.randn(4, 3)
+    assert_same(x.tpu().to(torch.bfloat16), x.to(torch.bfloat16), rtol=0, atol=0)
+    assert_same(x.tpu().bfloat16() @ x.tpu().bfloat16().t(), x.bfloat16() @ x.bfloat16().t())
