@@ -1,0 +1,171 @@
+"""Views and mutation keep PyTorch's aliasing: each case runs the same code on
+CPU and on tpu and compares every tensor involved."""
+import pytest
+import torch
+from conftest import assert_same
+
+
+def _both(fn, *cpu_inputs):
+    """Run fn on CPU copies and on tpu copies of the inputs; compare what fn
+    returns and the inputs afterwards (mutations included)."""
+    cpu = [x.clone() for x in cpu_inputs]
+    tpu = [x.clone().to("tpu") for x in cpu_inputs]
+    out_cpu = fn(*cpu)
+    out_tpu = fn(*tpu)
+    for t, c in zip(tpu, cpu):
+        assert_same(t, c)
+    if out_cpu is not None:
+        outs_cpu = out_cpu if isinstance(out_cpu, tuple) else (out_cpu,)
+        outs_tpu = out_tpu if isinstance(out_tpu, tuple) else (out_tpu,)
+        for t, c in zip(outs_tpu, outs_cpu):
+            assert_same(t, c)
+
+
+def test_setitem_through_view(mode):
+    def fn(x):
+        v = x.view(12)
+        v[0] = 5
+        return v
+    _both(fn, torch.arange(12.0).reshape(3, 4))
+
+
+def test_inplace_on_transpose(mode):
+    def fn(x):
+        t = x.t()
+        t[1].mul_(0)
+        t.mul_(2)
+        return t
+    _both(fn, torch.arange(12.0).reshape(3, 4))
+
+
+def test_inplace_on_select(mode):
+    def fn(x):
+        x[1].add_(1)
+        return x[1]
+    _both(fn, torch.arange(12.0).reshape(3, 4))
+
+
+def test_narrow_copy(mode):
+    def fn(x, y):
+        x.narrow(1, 1, 2).copy_(y)
+        return x.narrow(1, 1, 2)
+    _both(fn, torch.zeros(3, 4), torch.arange(6.0).reshape(3, 2))
+
+
+def test_copy_from_cpu_into_view(mode):
+    x_cpu, x = torch.zeros(2, 3), torch.zeros(2, 3).to("tpu")
+    src = torch.arange(3.0)
+    x_cpu[1].copy_(src)
+    x[1].copy_(src)
+    assert_same(x, x_cpu)
+
+
+def test_out_argument(mode):
+    def fn(a, b, out):
+        r = torch.add(a, b, out=out)
+        assert r is out
+        return out
+    _both(fn, torch.randn(3, 4), torch.randn(3, 4), torch.zeros(3, 4))
+
+
+def test_out_argument_into_view(mode):
+    def fn(a, b, buf):
+        torch.mul(a, b, out=buf[1])
+        return buf
+    _both(fn, torch.randn(4), torch.randn(4), torch.zeros(3, 4))
+
+
+def test_out_argument_dtype_cast(mode):
+    def fn(a, out):
+        torch.add(a, 1, out=out)
+        return out
+    _both(fn, torch.arange(4), torch.zeros(4, dtype=torch.float64))
+
+
+def test_data_assignment(mode):
+    x = torch.zeros(2, 3).to("tpu")
+    alias = x.view(6)
+    y = torch.arange(6.0).reshape(2, 3).to("tpu")
+    x.data = y
+    assert_same(x, torch.arange(6.0).reshape(2, 3))
+    x.add_(1)
+    assert_same(y, torch.arange(6.0).reshape(2, 3) + 1)  # x now shares y's data
+    assert_same(alias, torch.zeros(6))  # the old storage is untouched
+    # .data of a parameter: changes to the shape and dtype too
+    p = torch.nn.Parameter(torch.zeros(2).to("tpu"))
+    p.data = torch.ones(3, dtype=torch.float64).to("tpu")
+    assert p.shape == (3,) and p.dtype == torch.float64
+    assert_same(p, torch.ones(3, dtype=torch.float64))
+
+
+def test_data_inplace_is_seen(mode):
+    p = torch.nn.Parameter(torch.zeros(3).to("tpu"))
+    p.data.add_(2)
+    assert_same(p, torch.full((3,), 2.0))
+
+
+def test_zero_slice(mode):
+    def fn(x):
+        x[:, 1:3].zero_()
+        x[::2].zero_()
+        return x
+    _both(fn, torch.arange(20.0).reshape(4, 5) + 1)
+
+
+def test_write_seen_by_every_view(mode):
+    def fn(x):
+        a = x.view(4, 3)
+        b = x.t()
+        c = x[1:]
+        d = x.unsqueeze(0).expand(2, 3, 4)
+        e = x.reshape(12)[::3]
+        c.mul_(10)
+        b[0].fill_(-1)
+        return a, b, c, d, e
+    _both(fn, torch.arange(12.0).reshape(3, 4))
+
+
+def test_view_of_view_write(mode):
+    def fn(x):
+        y = x.view(2, 6)[:, ::2].t()
+        y[1, 0] = 100
+        y.add_(1)
+        return y
+    _both(fn, torch.arange(12.0))
+
+
+def test_detach_shares_storage(mode):
+    def fn(x):
+        d = x.detach()
+        d.sub_(3)
+        return d
+    _both(fn, torch.arange(5.0))
+
+
+def test_int_inplace(mode):
+    def fn(x):
+        x[2:].add_(2 ** 40)
+        return x
+    _both(fn, torch.arange(5))
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "AdamW"])
+def test_optimizer_updates_params_in_place(mode, opt_name):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    tpu_model = torch.nn.Linear(4, 3).to("tpu")
+    tpu_model.load_state_dict(model.state_dict())
+    kw = {"lr": 0.1, "momentum": 0.9} if opt_name == "SGD" else {"lr": 0.1}
+    opts = [getattr(torch.optim, opt_name)(m.parameters(), **kw) for m in (model, tpu_model)]
+    views = [m.weight[0] for m in (model, tpu_model)]  # a view taken before the steps
+    ids = [id(p) for p in tpu_model.parameters()]
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        for m, opt, inp in ((model, opts[0], x), (tpu_model, opts[1], x.to("tpu"))):
+            opt.zero_grad()
+            m(inp).pow(2).sum().backward()
+            opt.step()
+    assert [id(p) for p in tpu_model.parameters()] == ids
+    for p_tpu, p_cpu in zip(tpu_model.parameters(), model.parameters()):
+        assert_same(p_tpu, p_cpu.detach(), rtol=1e-5, atol=1e-6)
+    assert_same(views[1], views[0].detach(), rtol=1e-5, atol=1e-6)
