@@ -75,6 +75,18 @@ class TpuTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        # `x.data = y` swaps the C++ tensor's metadata only; take over y's
+        # storage handle and view too, so x now aliases y as on CPU.
+        torch._C.TensorBase.data.__set__(self, value)
+        if isinstance(value, TpuTensor):
+            self._storage, self._view, self._key = value._storage, value._view, value._key
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from .dispatch import dispatch
