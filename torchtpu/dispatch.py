@@ -25,6 +25,10 @@ aten = torch.ops.aten
 
 _DYNAMIC_SCALAR_TYPES = (int, float, complex)
 _TENSORISH = ("Tensor", "Scalar", "Tensor?", "Scalar?")
+# Index lists (Tensor?[]) may hold CPU tensors, as with CUDA tensors.
+_INDICES = "indices"
+# Scalar[] elements are dynamic like Scalars (optimizers' per-step lists).
+_SCALARS = "scalars"
 
 
 # ---- per-op plans ----------------------------------------------------------
@@ -41,7 +45,8 @@ class Plan:
         self.tensorish = {}
         for i, a in enumerate(schema.arguments):
             t = str(a.type)
-            flag = t in _TENSORISH
+            flag = (_INDICES if t == "Tensor?[]" else _SCALARS if t == "List[number]"
+                    else t in _TENSORISH)
             self.tensorish[i] = flag
             self.tensorish[a.name] = flag
         self.written = [a.name for a in schema.arguments
@@ -57,13 +62,19 @@ class Plan:
             fl = LOWERINGS.get(self.functional) if self.functional else None
             self.kind = "mutate" if fl is not None else "other"
             self.lowering = fl
-        elif aliased and self.lowering is None:
+        elif aliased and self.lowering is None and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                schema.name + ("." + schema.overload_name if schema.overload_name else ""),
+                "CompositeImplicitAutograd"):
             self.kind = "view"
         elif self.lowering is not None:
             self.kind = "lower"
         else:
             self.kind = "other"
         self.random = getattr(self.lowering, "random", False)
+        # Scalars a lowering must branch on (a norm's ord) are static.
+        for i, a in enumerate(schema.arguments):
+            if a.name in getattr(self.lowering, "static_args", ()):
+                self.tensorish[i] = self.tensorish[a.name] = False
 
 
 _plans = {}
@@ -139,16 +150,20 @@ def _flatten(tree, leaves):
 
 
 def _unflatten(template, leaves):
-    it = iter(leaves)
+    if template is ...:
+        return leaves[0]
+    return _build(template, iter(leaves))
 
-    def build(t):
-        if t is ...:
-            return next(it)
-        if t is None:
-            return None
-        kind, items = t
-        return kind(build(x) for x in items)
-    return build(template)
+
+def _build(template, it):
+    # Not a closure: a self-referencing closure would keep the results alive
+    # in a reference cycle until the next garbage collection.
+    if template is ...:
+        return next(it)
+    if template is None:
+        return None
+    kind, items = template
+    return kind(_build(x, it) for x in items)
 
 
 class _Call:
@@ -173,11 +188,14 @@ def _spec(call, value, tensorish):
         call.tensors.append(value)
         return ("t", slot) + value._key
     if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and value.dim() == 0:
+        if value.device.type == "cpu" and (value.dim() == 0 or tensorish is _INDICES):
             return _spec(call, to_tpu(value), tensorish)
         raise _device_mismatch(value)
     if isinstance(value, (list, tuple)):
         if value and any(isinstance(v, torch.Tensor) for v in value):
+            inner = _INDICES if tensorish is _INDICES else True
+            return ("l", tuple(_spec(call, v, inner) for v in value))
+        if tensorish is _SCALARS:
             return ("l", tuple(_spec(call, v, True) for v in value))
         return ("c", tuple(value))
     if tensorish and type(value) in _DYNAMIC_SCALAR_TYPES:
@@ -478,17 +496,21 @@ def cpu_fallback(plan, args, kwargs):
     modes.note_sync("cpu_fallback")
     moved = {}
 
-    def to_cpu(x):
+    def to_cpu(x, cpu_ok=False):
         if isinstance(x, TpuTensor):
             if id(x) not in moved:
                 moved[id(x)] = (x, download(x))
             return moved[id(x)][1]
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and not cpu_ok:
+            # The CPU op would accept it; a tpu op must not (as with CUDA).
+            raise _device_mismatch(x)
         if isinstance(x, (list, tuple)):
-            return type(x)(to_cpu(v) for v in x)
+            return type(x)(to_cpu(v, cpu_ok) for v in x)
         return x
 
-    cargs = [to_cpu(a) for a in args]
-    ckwargs = {k: to_cpu(v) for k, v in kwargs.items()}
+    tensorish = plan.tensorish
+    cargs = [to_cpu(a, tensorish.get(i) is _INDICES) for i, a in enumerate(args)]
+    ckwargs = {k: to_cpu(v, tensorish.get(k) is _INDICES) for k, v in kwargs.items()}
     out = plan.func(*cargs, **ckwargs)
     written = set(plan.written)
     schema = plan.func._schema

@@ -22,13 +22,17 @@ M = _Metrics()
 _providers = []
 
 
-def register_provider(fn):
-    """fn() -> dict merged into snapshot(); lets a layer report its own figures."""
-    _providers.append(fn)
+def register_provider(snapshot, reset=None):
+    """Let a layer report its own figures: snapshot() -> dict merged into
+    snapshot(); reset() called by reset()."""
+    _providers.append((snapshot, reset))
 
 
 def reset():
     M.reset()
+    for _, fn in _providers:
+        if fn is not None:
+            fn()
 
 
 def snapshot():
@@ -37,7 +41,7 @@ def snapshot():
     snap["cpu_fallbacks"] = dict(M.cpu_fallbacks)
     snap["decompositions"] = dict(M.decompositions)
     snap.update(M.extra)
-    for fn in _providers:
+    for fn, _ in _providers:
         snap.update(fn())
     return snap
 

@@ -12,6 +12,7 @@ trace time, inside the one jitted kernel of each op.
 """
 import math
 import re
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,11 +22,32 @@ from jax import lax
 DEVICE = torch.device("tpu", 0)
 
 
+class Pending:
+    """A value a recorded (fused-mode) op will produce: shape and dtype now,
+    the array at the next flush. owner is a weak reference to the Storage
+    that holds it: the flush materializes only pending values still held."""
+    __slots__ = ("shape", "dtype", "owner", "ref", "__weakref__")
+
+    def __init__(self, shape, dtype, ref):
+        self.shape = shape
+        self.dtype = dtype
+        self.ref = ref
+        self.owner = None
+
+
 class Storage:
     __slots__ = ("array", "__weakref__")
 
     def __init__(self, array):
         self.array = array
+        if type(array) is Pending:
+            array.owner = weakref.ref(self)
+
+    def assign(self, array):
+        """Replace the data (a write through any view of this storage)."""
+        self.array = array
+        if type(array) is Pending:
+            array.owner = weakref.ref(self)
 
 
 def contiguous_strides(shape):

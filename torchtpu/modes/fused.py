@@ -1,7 +1,92 @@
-"""fused: not built yet; runs as strict (with a warning)."""
+"""fused: ops are recorded into a pending graph; a sync point compiles the ops
+that live tensors depend on into one jitted function and runs it.
+
+Each recorded op is the same Kernel strict mode would call; its results are
+Pending values whose shape and dtype are known at once (from the kernel's
+abstract evaluation, itself cached on the kernel), so `t.shape` never forces
+execution and shape/dtype errors still raise at the user's line.
+
+Liveness: a Pending is an output of the flushed graph only while a Storage
+still holds it (Pending.owner, a weak reference). Intermediates nobody holds
+are never materialized.
+
+The graph key is built while recording, one small tuple per op (the kernel's
+identity and where its inputs come from), so a flush costs one tuple hash.
+"""
+import collections
+import os
+import sys
+import time
 import warnings
 
+import jax
+
+from .. import cache, metrics
+from ..tensor import Pending
 from .strict import StrictExecutor
+
+
+def max_ops():
+    return int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "1000"))
+
+
+# Churn: when most recent flushes compile a new graph, fusing costs more
+# than it saves; run op by op for a while, then try again.
+CHURN_WINDOW = 8
+CHURN_NEW_KEYS = 6
+CHURN_BACKOFF_OPS = 2000
+
+
+class _Stats:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.graphs_compiled = 0
+        self.graph_cache_hits = 0
+        self.flushes = collections.Counter()
+        self.fused_ops = collections.Counter()  # ops per graph -> graphs
+        self.fused_op_total = 0
+        self.fused_fallbacks = 0
+
+    def snapshot(self):
+        graphs = sum(self.fused_ops.values())
+        return {
+            "graphs_compiled": self.graphs_compiled,
+            "graph_cache_hits": self.graph_cache_hits,
+            "fused_ops_mean": round(self.fused_op_total / graphs, 2) if graphs else 0.0,
+            "fused_ops": dict(self.fused_ops),
+            "flushes": dict(self.flushes),
+            "fused_fallbacks": self.fused_fallbacks,
+        }
+
+
+STATS = _Stats()
+metrics.register_provider(STATS.snapshot, STATS.reset)
+
+
+def _user_line():
+    """file:line of the innermost frame outside torch and torchtpu."""
+    frame = sys._getframe(1)
+    skip = (os.sep + "torchtpu" + os.sep, os.sep + "torch" + os.sep, os.sep + "jax" + os.sep)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(s in name for s in skip) and not name.startswith("<frozen"):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+class _Graph:
+    """The ops recorded since the last flush."""
+
+    def __init__(self):
+        self.nodes = []       # (kernel, refs)
+        self.key = []         # per node: (id(kernel), refs)
+        self.outputs = []     # per node: list of Pending
+        self.inputs = []      # concrete arrays fed to the graph
+        self.input_ids = {}   # id(array) -> index in inputs
+        self.scalars = []     # dynamic scalars fed to the graph
 
 
 class FusedExecutor(StrictExecutor):
@@ -9,4 +94,145 @@ class FusedExecutor(StrictExecutor):
 
     def __init__(self):
         super().__init__()
-        warnings.warn("torchtpu: fused mode is not available yet; running as strict", stacklevel=3)
+        self._graph = _Graph()
+        self._recent_new = collections.deque(maxlen=CHURN_WINDOW)
+        self._eager_ops_left = 0
+        self._debug = os.environ.get("TORCHTPU_FUSE_DEBUG") == "1"
+        self.max_ops = max_ops()
+
+    # -- recording ---------------------------------------------------------
+    def run(self, kernel, flat, call):
+        if self._eager_ops_left > 0:
+            self._eager_ops_left -= 1
+            flat = [self._concrete_value(x) for x in flat]
+            return super().run(kernel, flat, call)
+        if len(self._graph.nodes) >= self.max_ops:
+            # Flush before recording: every earlier result is owned by now.
+            self.flush("limit")
+            flat = [self._concrete_value(x) for x in flat]
+        g = self._graph
+        n_storages = len(call.storages)
+        refs = []
+        for i, x in enumerate(flat):
+            if i >= n_storages:
+                refs.append(("s", len(g.scalars)))
+                g.scalars.append(x)
+            elif type(x) is Pending:
+                refs.append(x.ref)
+            else:
+                idx = g.input_ids.get(id(x))
+                if idx is None:
+                    idx = g.input_ids[id(x)] = len(g.inputs)
+                    g.inputs.append(x)
+                refs.append(("a", idx))
+        refs = tuple(refs)
+        outs_aval, written_aval = _abstract(kernel, flat)
+        ni = len(g.nodes)
+        outs = [Pending(a.shape, a.dtype, ("p", ni, j)) for j, a in enumerate(outs_aval)]
+        k = len(outs)
+        written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
+        g.nodes.append((kernel, refs))
+        g.key.append((id(kernel), refs))
+        g.outputs.append(outs + written)
+        return outs, written
+
+    # -- reading -----------------------------------------------------------
+    def _concrete_value(self, x):
+        """x, or the array it became once flushed (x is held by a storage)."""
+        if type(x) is Pending:
+            owner = x.owner()
+            self.flush("dependency")
+            return owner.array
+        return x
+
+    def concrete(self, storage):
+        if type(storage.array) is Pending:
+            from . import take_sync_reason
+            self.flush(take_sync_reason("read"))
+        return storage.array
+
+    def sync(self):
+        from . import take_sync_reason
+        self.flush(take_sync_reason("sync"))
+        super().sync()
+
+    # -- flushing ----------------------------------------------------------
+    def flush(self, reason):
+        g = self._graph
+        if not g.nodes:
+            return
+        self._graph = _Graph()
+        live = []
+        for outs in g.outputs:
+            for p in outs:
+                owner = p.owner() if p.owner is not None else None
+                if owner is not None and owner.array is p:
+                    live.append((p, owner))
+        live_refs = tuple(p.ref for p, _ in live)
+        key = ("fused", tuple(g.key), live_refs)
+        entry = cache.lookup(key)
+        hit = entry is not None
+        if hit:
+            STATS.graph_cache_hits += 1
+        else:
+            # The entry holds the kernels: their ids in the key stay theirs.
+            entry = cache.store(key, (_build_graph(g.nodes, live_refs), [k for k, _ in g.nodes]))
+            STATS.graphs_compiled += 1
+        self._note_churn(not hit)
+        STATS.flushes[reason] += 1
+        STATS.fused_ops[len(g.nodes)] += 1
+        STATS.fused_op_total += len(g.nodes)
+        if self._debug:
+            print(f"[torchtpu fused] flush reason={reason} at {_user_line()} ops={len(g.nodes)} "
+                  f"outputs={len(live)} cache={'hit' if hit else 'miss'}", file=sys.stderr)
+        results = entry[0](g.inputs, g.scalars)
+        self._last = results
+        for (p, owner), value in zip(live, results):
+            owner.array = value
+
+    def _note_churn(self, new_key):
+        self._recent_new.append(new_key)
+        if len(self._recent_new) == CHURN_WINDOW and sum(self._recent_new) >= CHURN_NEW_KEYS:
+            STATS.fused_fallbacks += 1
+            if STATS.fused_fallbacks == 1:
+                warnings.warn("torchtpu: fused graphs keep changing (new shapes every step?); "
+                              f"running the next {CHURN_BACKOFF_OPS} ops op by op instead of "
+                              "recompiling (counted in metrics fused_fallbacks)", stacklevel=4)
+            self._eager_ops_left = CHURN_BACKOFF_OPS
+            self._recent_new.clear()
+
+
+def _abstract(kernel, flat):
+    """Output avals of kernel for these inputs (cached on the kernel: its key
+    fixes the input avals)."""
+    avals = kernel.avals
+    if avals is None:
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in flat]
+        avals = kernel.avals = jax.eval_shape(kernel.fn, *specs)
+    return avals
+
+
+def _build_graph(nodes, live_refs):
+    nodes = list(nodes)
+    start = time.perf_counter()
+
+    def graph(inputs, scalars):
+        values = {}
+        for ni, (kernel, refs) in enumerate(nodes):
+            args = []
+            for r in refs:
+                kind = r[0]
+                if kind == "p":
+                    args.append(values[(r[1], r[2])])
+                elif kind == "a":
+                    args.append(inputs[r[1]])
+                else:
+                    args.append(scalars[r[1]])
+            outs, written = kernel.fn(*args)
+            for j, v in enumerate(tuple(outs) + tuple(written)):
+                values[(ni, j)] = v
+        return [values[(r[1], r[2])] for r in live_refs]
+
+    jitted = cache.jit(graph, name=f"tpu_fused_{len(nodes)}ops")
+    metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
+    return jitted
