@@ -36,7 +36,7 @@ _SCALARS = "scalars"
 class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
-                 "n_plain", "returns", "tensorish", "view_cache", "random")
+                 "n_plain", "returns", "tensorish", "view_cache", "random", "accepts")
 
     def __init__(self, func):
         self.func = func
@@ -71,6 +71,10 @@ class Plan:
         else:
             self.kind = "other"
         self.random = getattr(self.lowering, "random", False)
+        # accepts(*args, **kwargs) -> False sends a call the lowering cannot
+        # take (a value-dependent shape: boolean-mask indexing) down the
+        # decomposition / CPU-fallback path.
+        self.accepts = getattr(self.lowering, "accepts", None)
         # Scalars a lowering must branch on (a norm's ord) are static.
         for i, a in enumerate(schema.arguments):
             if a.name in getattr(self.lowering, "static_args", ()):
@@ -334,7 +338,9 @@ def dispatch(func, args, kwargs):
     plan = _plans.get(func) or plan_of(func)
     kind = plan.kind
     if kind == "lower" or kind == "mutate":
-        return _run_lowered(plan, args, kwargs)
+        if plan.accepts is None or plan.accepts(*args, **kwargs):
+            return _run_lowered(plan, args, kwargs)
+        return _run_other(plan, args, kwargs)
     if kind == "view":
         return _run_view(plan, args, kwargs)
     return _run_other(plan, args, kwargs)
