@@ -1,19 +1,34 @@
 """Random ops: a device generator keyed from torch.manual_seed.
 
-State is (seed, offset) on the host; each random op takes both as dynamic
-kernel inputs and folds them into its key, so no op recompiles per call.
+State is (seed, offset) on the host. Each random lowering is registered with
+@lower(..., random=True): the dispatcher passes the state as two dynamic
+kernel inputs and hands the lowering key=, a JAX key derived from them inside
+the kernel, so no op recompiles per call. Every call advances the offset.
+Streams are reproducible under torch.manual_seed, not equal to CPU's.
 """
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
+
+from . import ctx, lower
+from .util import ctx_dtype, jdt
 
 aten = torch.ops.aten
 
 _state = {"seed": 67280421310721, "offset": 0}
 
 
+def _signed64(v):
+    """A 64-bit seed as a signed int64 value (what a kernel input can hold)."""
+    v = int(v) & 0xFFFFFFFFFFFFFFFF
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
 def manual_seed(seed):
-    _state["seed"] = int(seed) & 0xFFFFFFFFFFFFFFFF
+    _state["seed"] = _signed64(seed)
     _state["offset"] = 0
 
 
@@ -24,7 +39,7 @@ def seed():
 
 
 def initial_seed():
-    return _state["seed"]
+    return _state["seed"] & 0xFFFFFFFFFFFFFFFF
 
 
 def get_rng_state(device="tpu"):
@@ -32,17 +47,202 @@ def get_rng_state(device="tpu"):
 
 
 def set_rng_state(new_state, device="tpu"):
-    seed_, offset = new_state.view(torch.int64).tolist()
-    _state["seed"], _state["offset"] = seed_ & 0xFFFFFFFFFFFFFFFF, offset
+    seed_, offset = new_state.cpu().contiguous().view(torch.int64).tolist()
+    _state["seed"], _state["offset"] = _signed64(seed_), offset
 
 
 def next_key():
-    """(seed, offset) for the next random op."""
+    """(seed, offset) for the next random op, as kernel inputs."""
     offset = _state["offset"]
     _state["offset"] = offset + 1
     return _state["seed"], offset
 
 
 def key_from(seed_, offset):
-    key = jax.random.key(jnp.asarray(seed_, jnp.uint64) if False else seed_ & 0xFFFFFFFF)
-    return jax.random.fold_in(key, offset)
+    """The JAX key of one op call (seed_, offset are traced int64 scalars)."""
+    key = jax.random.key(jnp.asarray(seed_, jnp.int64))
+    return jax.random.fold_in(key, jnp.asarray(offset, jnp.int64).astype(jnp.uint32))
+
+
+# ---- helpers ---------------------------------------------------------------
+
+def _out():
+    """Shape and jax dtype of output 0 (from PyTorch's meta kernel)."""
+    return tuple(ctx.out[0].shape), ctx_dtype()
+
+
+def _float_dtype(dtype):
+    """The dtype to draw floats in: low precision types draw in float32."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype in (jnp.float32, jnp.float64) else jnp.dtype(jnp.float32)
+
+
+def _uniform(key, shape, dtype):
+    """Uniform in [0, 1)."""
+    return jax.random.uniform(key, shape, _float_dtype(dtype))
+
+
+def _normal(key, shape, dtype):
+    return jax.random.normal(key, shape, _float_dtype(dtype))
+
+
+# ---- lowerings -------------------------------------------------------------
+
+@lower(aten.uniform.default, random=True)
+def uniform(x, from_=0.0, to=1.0, *, generator=None, key, **kw):
+    from_ = kw.pop("from", from_)
+    u = _uniform(key, x.shape, x.dtype)
+    out = u * (to - from_) + from_
+    # Rounding (or a low precision cast) may reach `to`; the range is [from, to).
+    out = out.astype(x.dtype)
+    return jnp.where(out >= jnp.asarray(to, x.dtype), jnp.asarray(from_, x.dtype), out) \
+        if to > from_ else out
+
+
+@lower(aten.normal_functional.default, random=True)
+def normal_functional(x, mean=0.0, std=1.0, *, generator=None, key):
+    return (_normal(key, x.shape, x.dtype) * std + mean).astype(x.dtype)
+
+
+@lower(aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor,
+       aten.normal.float_float, random=True)
+def normal(mean, std=1.0, *args, generator=None, key, **kw):
+    shape, dtype = _out()
+    z = _normal(key, shape, dtype)
+    mean = jnp.asarray(mean)
+    std = jnp.asarray(std)
+    return (z * std.astype(z.dtype) + mean.astype(z.dtype)).astype(dtype)
+
+
+@lower(aten.bernoulli.default, random=True)
+def bernoulli(x, *, generator=None, key):
+    return (_uniform(key, x.shape, jnp.float64 if x.dtype == jnp.float64 else jnp.float32)
+            < x).astype(x.dtype)
+
+
+@lower(aten.bernoulli.p, random=True)
+def bernoulli_p(x, p=0.5, *, generator=None, key):
+    return (_uniform(key, x.shape, jnp.float64) < p).astype(x.dtype)
+
+
+@lower(aten.bernoulli.Tensor, random=True)
+def bernoulli_tensor(x, p, *, generator=None, key):
+    u = _uniform(key, x.shape, jnp.float64 if p.dtype == jnp.float64 else jnp.float32)
+    return (u < jnp.broadcast_to(p, x.shape)).astype(x.dtype)
+
+
+@lower(aten.exponential.default, random=True)
+def exponential(x, lambd=1.0, *, generator=None, key):
+    u = _uniform(key, x.shape, x.dtype)
+    # 1 - u lies in (0, 1]: the sample is finite and >= 0.
+    return (-jnp.log1p(-u) / lambd).astype(x.dtype)
+
+
+@lower(aten.geometric.default, random=True)
+def geometric(x, p, *, generator=None, key):
+    u = _uniform(key, x.shape, jnp.float64)
+    # Number of trials to the first success: ceil(log(1-u) / log(1-p)), >= 1.
+    k = jnp.maximum(jnp.ceil(jnp.log1p(-u) / math.log1p(-p)), 1.0) if p < 1 else jnp.ones_like(u)
+    return k.astype(x.dtype)
+
+
+@lower(aten.log_normal.default, random=True)
+def log_normal(x, mean=1.0, std=2.0, *, generator=None, key):
+    return jnp.exp(_normal(key, x.shape, x.dtype) * std + mean).astype(x.dtype)
+
+
+@lower(aten.cauchy.default, random=True)
+def cauchy(x, median=0.0, sigma=1.0, *, generator=None, key):
+    u = _uniform(key, x.shape, x.dtype)
+    return (median + sigma * jnp.tan(math.pi * (u - 0.5))).astype(x.dtype)
+
+
+def _random_bounds(dtype):
+    """random_()'s default range [0, hi] for a dtype (PyTorch's rule: floats
+    get the integers their mantissa holds exactly)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return 1
+    if dtype.kind == "f":
+        return 2 ** (jnp.finfo(dtype).nmant + 1)
+    return int(jnp.iinfo(dtype).max)
+
+
+def _randint(key, shape, lo, hi_exclusive, dtype):
+    """Integers in [lo, hi_exclusive), drawn in int64 so every range is exact."""
+    # int64 max itself is out of reach of an exclusive int64 bound (odds 2**-63).
+    hi = min(hi_exclusive, np.iinfo(np.int64).max)
+    return jax.random.randint(key, shape, lo, hi, jnp.int64).astype(dtype)
+
+
+@lower(aten.random.default, random=True)
+def random_(x, *, generator=None, key):
+    return _randint(key, x.shape, 0, _random_bounds(x.dtype) + 1, x.dtype)
+
+
+@lower(aten.random.to, random=True)
+def random_to(x, to, *, generator=None, key):
+    return _randint(key, x.shape, 0, to, x.dtype)
+
+
+@lower(getattr(aten.random, "from"), random=True)
+def random_from(x, from_, to=None, *, generator=None, key, **kw):
+    hi = _random_bounds(x.dtype) + 1 if to is None else to
+    return _randint(key, x.shape, from_, hi, x.dtype)
+
+
+@lower(aten.randperm.default, aten.randperm.generator, random=True)
+def randperm(n, *args, generator=None, key, **kw):
+    shape, dtype = _out()
+    return jax.random.permutation(key, n).astype(dtype)
+
+
+@lower(aten.multinomial.default, random=True)
+def multinomial(probs, num_samples, replacement=False, *, generator=None, key):
+    p = probs.astype(jnp.float64 if probs.dtype == jnp.float64 else jnp.float32)
+    logits = jnp.log(p / jnp.sum(p, axis=-1, keepdims=True))
+    batch = p.shape[:-1]
+    if replacement:
+        draws = jax.random.categorical(key, logits, axis=-1, shape=(num_samples,) + batch)
+        out = jnp.moveaxis(draws, 0, -1)
+    else:
+        # Gumbel top-k: sampling without replacement in proportion to p.
+        g = jax.random.gumbel(key, p.shape, logits.dtype)
+        _, out = jax.lax.top_k(logits + g, num_samples)
+    return out.astype(jnp.int64)
+
+
+@lower(aten.native_dropout.default, random=True)
+def native_dropout(x, p, train, *, key):
+    if train is False:
+        return x, jnp.ones(x.shape, jnp.bool_)
+    if p >= 1:
+        return jnp.zeros_like(x), jnp.zeros(x.shape, jnp.bool_)
+    keep = _uniform(key, x.shape, jnp.float32) >= p
+    scale = 1.0 / (1.0 - p)
+    return (jnp.where(keep, x, 0) * jnp.asarray(scale, x.dtype)).astype(x.dtype), keep
+
+
+@lower(aten.rand_like.default, aten.rand_like.generator, random=True)
+def rand_like(x, *, key, **kw):
+    shape, dtype = _out()
+    return _uniform(key, shape, dtype).astype(dtype)
+
+
+@lower(aten.randn_like.default, aten.randn_like.generator, random=True)
+def randn_like(x, *, key, **kw):
+    shape, dtype = _out()
+    return _normal(key, shape, dtype).astype(dtype)
+
+
+@lower(aten.randint_like.default, aten.randint_like.generator, aten.randint_like.Tensor,
+       aten.randint_like.Tensor_generator, random=True)
+def randint_like(x, high, *, key, **kw):
+    shape, dtype = _out()
+    return jax.random.randint(key, shape, 0, high, jnp.int64).astype(dtype)
+
+
+@lower(aten.randint_like.low_dtype, aten.randint_like.low_generator_dtype, random=True)
+def randint_like_low(x, low, high, *, key, **kw):
+    shape, dtype = _out()
+    return jax.random.randint(key, shape, low, high, jnp.int64).astype(dtype)

@@ -1,0 +1,193 @@
+"""Random ops on tpu: shapes, dtypes, ranges, rough moments, reproducibility
+under torch.manual_seed, RNG state round trip, no recompilation per call."""
+import pytest
+import torch
+
+import torchtpu
+
+DEV = "tpu"
+N = 20000  # moments of N samples: standard error ~0.007 for unit variance
+
+
+def moments(t):
+    t = t.cpu().double()
+    return t.mean().item(), t.std().item()
+
+
+def test_randn_rand_randint_factories():
+    x = torch.randn(N, device=DEV)
+    assert x.device.type == "tpu" and x.dtype == torch.float32 and x.shape == (N,)
+    m, s = moments(x)
+    assert abs(m) < 0.05 and abs(s - 1) < 0.05
+
+    u = torch.rand(4, N // 4, device=DEV, dtype=torch.float64)
+    assert u.dtype == torch.float64 and u.shape == (4, N // 4)
+    uc = u.cpu()
+    assert uc.min() >= 0 and uc.max() < 1
+    m, s = moments(u)
+    assert abs(m - 0.5) < 0.02 and abs(s - (1 / 12) ** 0.5) < 0.02
+
+    r = torch.randint(3, 9, (N,), device=DEV)
+    assert r.dtype == torch.int64
+    rc = r.cpu()
+    assert rc.min() == 3 and rc.max() == 8
+    assert torch.bincount(rc - 3).min() > N / 6 * 0.8
+
+    h = torch.randn(64, device=DEV, dtype=torch.bfloat16)
+    assert h.dtype == torch.bfloat16 and torch.isfinite(h.cpu()).all()
+
+
+def test_manual_seed_reproducible_and_stream_advances():
+    torch.manual_seed(1234)
+    a = torch.randn(8, device=DEV).cpu()
+    b = torch.randn(8, device=DEV).cpu()
+    torch.manual_seed(1234)
+    a2 = torch.randn(8, device=DEV).cpu()
+    b2 = torch.randn(8, device=DEV).cpu()
+    torch.testing.assert_close(a, a2, rtol=0, atol=0)
+    torch.testing.assert_close(b, b2, rtol=0, atol=0)
+    assert not torch.equal(a, b)
+    torch.manual_seed(4321)
+    assert not torch.equal(torch.randn(8, device=DEV).cpu(), a)
+    # Seeds over 2**63 and negative seeds are valid, as on CPU.
+    torch.manual_seed(2 ** 64 - 1)
+    c = torch.rand(4, device=DEV).cpu()
+    torch.manual_seed(-1)
+    torch.testing.assert_close(torch.rand(4, device=DEV).cpu(), c, rtol=0, atol=0)
+
+
+def test_rng_state_round_trip():
+    torch.manual_seed(7)
+    torch.randn(3, device=DEV)
+    state = torch.tpu.get_rng_state()
+    assert state.dtype == torch.uint8
+    a = torch.rand(5, device=DEV).cpu()
+    torch.randn(3, device=DEV)
+    torch.tpu.set_rng_state(state)
+    torch.testing.assert_close(torch.rand(5, device=DEV).cpu(), a, rtol=0, atol=0)
+    torch.tpu.manual_seed(2 ** 63 + 5)
+    assert torch.tpu.initial_seed() == 2 ** 63 + 5
+    state = torch.tpu.get_rng_state()
+    b = torch.rand(5, device=DEV).cpu()
+    torch.tpu.set_rng_state(state)
+    torch.testing.assert_close(torch.rand(5, device=DEV).cpu(), b, rtol=0, atol=0)
+
+
+def test_no_recompile_per_call():
+    x = torch.empty(16, device=DEV)
+    x.normal_()
+    torch.rand(16, device=DEV)
+    torchtpu.sync()
+    before = torchtpu.metrics.M.compilations
+    outs = [torch.rand(16, device=DEV).cpu() for _ in range(3)] + [x.normal_().cpu() for _ in range(3)]
+    assert torchtpu.metrics.M.compilations == before
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[3], outs[4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_inplace_distributions(dtype):
+    x = torch.empty(N, device=DEV, dtype=dtype)
+    tol = 0.1 if dtype == torch.bfloat16 else 0.05
+
+    x.uniform_(-2, 3)
+    c = x.cpu().double()
+    assert x.dtype == dtype and c.min() >= -2 and c.max() < 3
+    assert abs(c.mean() - 0.5) < tol * 3
+
+    m, s = moments(x.normal_(2.0, 3.0))
+    assert abs(m - 2) < tol * 3 and abs(s - 3) < tol * 3
+
+    c = x.exponential_(2.0).cpu().double()
+    assert c.min() >= 0 and abs(c.mean() - 0.5) < tol
+
+    c = x.geometric_(0.25).cpu().double()
+    assert c.min() >= 1 and (c == c.round()).all() and abs(c.mean() - 4) < tol * 8
+
+    c = x.log_normal_(0.0, 0.5).cpu().double()
+    assert c.min() > 0 and abs(c.log().mean()) < tol and abs(c.log().std() - 0.5) < tol
+
+    c = x.cauchy_(1.0, 2.0).cpu().double()
+    assert abs(c.median() - 1) < tol * 4
+
+    c = x.bernoulli_(0.3).cpu().double()
+    assert set(c.unique().tolist()) <= {0.0, 1.0} and abs(c.mean() - 0.3) < tol / 2
+
+
+def test_random_integers():
+    x = torch.empty(N, device=DEV, dtype=torch.int64)
+    c = x.random_(5).cpu()
+    assert c.min() == 0 and c.max() == 4
+    c = x.random_(-3, 3).cpu()
+    assert c.min() == -3 and c.max() == 2
+    b = torch.empty(1000, device=DEV, dtype=torch.uint8).random_().cpu()
+    assert b.dtype == torch.uint8 and b.max() > 200
+    f = torch.empty(1000, device=DEV).random_().cpu()
+    assert (f == f.round()).all() and f.min() >= 0 and f.max() <= 2 ** 24
+    bo = torch.empty(1000, device=DEV, dtype=torch.bool).random_().cpu()
+    assert 300 < bo.sum() < 700
+
+
+def test_bernoulli_tensor_p_and_normal_tensor_args():
+    p = torch.tensor([0.0, 1.0, 0.5], device=DEV).expand(N // 10, 3)
+    c = torch.bernoulli(p).cpu()
+    assert c.dtype == torch.float32 and c.shape == (N // 10, 3)
+    assert (c[:, 0] == 0).all() and (c[:, 1] == 1).all() and abs(c[:, 2].mean() - 0.5) < 0.1
+    c = torch.empty(N // 10, 3, device=DEV).bernoulli_(p).cpu()
+    assert (c[:, 0] == 0).all() and (c[:, 1] == 1).all()
+
+    mean = torch.tensor([0.0, 10.0], device=DEV).repeat(N // 2)
+    out = torch.normal(mean, 2.0).cpu().view(-1, 2)
+    assert out.shape == (N // 2, 2)
+    assert abs(out[:, 1].mean() - 10) < 0.2 and abs(out[:, 0].std() - 2) < 0.2
+    std = torch.tensor([1.0, 0.0], device=DEV)
+    out = torch.normal(torch.zeros(2, device=DEV), std).cpu()
+    assert out[1] == 0
+    out = torch.normal(3.0, torch.full((N,), 0.5, device=DEV))
+    m, s = moments(out)
+    assert abs(m - 3) < 0.05 and abs(s - 0.5) < 0.05
+
+
+def test_like_factories_and_randperm():
+    x = torch.zeros(3, 1000, device=DEV, dtype=torch.float64)
+    u = torch.rand_like(x)
+    assert u.dtype == torch.float64 and u.shape == x.shape and u.device.type == "tpu"
+    assert 0 <= u.cpu().min() and u.cpu().max() < 1
+    z = torch.randn_like(x)
+    assert abs(z.cpu().mean()) < 0.1
+    r = torch.randint_like(x, 2, 5).cpu()
+    assert r.dtype == torch.float64 and r.min() == 2 and r.max() == 4
+    p = torch.randperm(50, device=DEV)
+    assert p.dtype == torch.int64
+    assert sorted(p.cpu().tolist()) == list(range(50))
+    assert p.cpu().tolist() != list(range(50))
+
+
+def test_multinomial():
+    probs = torch.tensor([[0.0, 1.0, 3.0, 0.0], [1.0, 1.0, 1.0, 1.0]], device=DEV)
+    s = torch.multinomial(probs, 2).cpu()
+    assert s.dtype == torch.int64 and s.shape == (2, 2)
+    assert sorted(s[0].tolist()) == [1, 2]
+    assert len(set(s[1].tolist())) == 2
+    s = torch.multinomial(probs, 4000, replacement=True).cpu()
+    assert s.shape == (2, 4000)
+    counts = torch.bincount(s[0], minlength=4)
+    assert counts[0] == 0 and counts[3] == 0 and abs(counts[2] / 4000 - 0.75) < 0.05
+    v = torch.multinomial(torch.tensor([0.2, 0.8], device=DEV), 1000, replacement=True).cpu()
+    assert v.shape == (1000,) and abs(v.double().mean() - 0.8) < 0.06
+
+
+def test_dropout_train_eval_backward():
+    x = torch.ones(N, device=DEV, requires_grad=True)
+    y = torch.nn.functional.dropout(x, 0.25, training=True)
+    yc = y.detach().cpu()
+    assert set(yc.unique().tolist()) <= {0.0, torch.tensor(4 / 3).item()}
+    assert abs((yc == 0).double().mean() - 0.25) < 0.02
+    y.sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), yc)
+    e = torch.nn.functional.dropout(x, 0.25, training=False)
+    torch.testing.assert_close(e.detach().cpu(), torch.ones(N))
+    torch.manual_seed(3)
+    d1 = torch.nn.Dropout(0.5)(torch.ones(64, device=DEV)).cpu()
+    torch.manual_seed(3)
+    d2 = torch.nn.Dropout(0.5)(torch.ones(64, device=DEV)).cpu()
+    torch.testing.assert_close(d1, d2, rtol=0, atol=0)
