@@ -1,1 +1,178 @@
-"""shape lowerings."""
+"""Shape ops that make new tensors (views are handled by the dispatcher):
+concatenation, flips and rolls, padding, triangles, dtype reinterpretation."""
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from . import lower
+from .util import ctx_dtype
+
+aten = torch.ops.aten
+
+
+def _out_shape(i=0):
+    from . import ctx
+    return tuple(ctx.out[i].shape)
+
+
+def _dim(d, ndim):
+    return d % ndim if ndim else 0
+
+
+@lower(aten.cat.default)
+def cat(tensors, dim=0):
+    # Dtypes are promoted over all inputs; legacy 1-D empty tensors are skipped
+    # for shapes, as in PyTorch.
+    dtype = ctx_dtype()
+    kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)]
+    if not kept:
+        return jnp.zeros(_out_shape(), dtype)
+    dim = _dim(dim, kept[0].ndim)
+    return jnp.concatenate([t.astype(dtype) for t in kept], axis=dim)
+
+
+@lower(aten.stack.default)
+def stack(tensors, dim=0):
+    dtype = ctx_dtype()
+    return jnp.stack([t.astype(dtype) for t in tensors], axis=_dim(dim, tensors[0].ndim + 1))
+
+
+@lower(aten._unsafe_view.default, aten._reshape_copy.default, aten.view_copy.default,
+       aten._reshape_alias_copy.default)
+def reshape(x, *args, **kwargs):
+    return x.reshape(_out_shape())
+
+
+@lower(aten.expand_copy.default)
+def expand_copy(x, size, implicit=False):
+    return jnp.broadcast_to(x, _out_shape())
+
+
+@lower(aten.permute_copy.default)
+def permute_copy(x, dims):
+    return jnp.transpose(x, [_dim(d, x.ndim) for d in dims])
+
+
+@lower(aten.flip.default)
+def flip(x, dims):
+    if x.ndim == 0:
+        return x
+    return jnp.flip(x, [_dim(d, x.ndim) for d in dims]) if dims else x
+
+
+@lower(aten.roll.default)
+def roll(x, shifts, dims=()):
+    if not dims:
+        return jnp.roll(x.reshape(-1), shifts[0]).reshape(x.shape)
+    return jnp.roll(x, tuple(shifts), tuple(_dim(d, x.ndim) for d in dims))
+
+
+@lower(aten.repeat.default)
+def repeat(x, repeats):
+    return jnp.tile(x, tuple(repeats)).reshape(_out_shape())
+
+
+@lower(aten.constant_pad_nd.default)
+def constant_pad_nd(x, pad, value=0):
+    # pad pairs run from the last dim backwards; negative pads crop (lax.pad
+    # does both).
+    config = [(0, 0, 0)] * x.ndim
+    for i in range(len(pad) // 2):
+        config[x.ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1], 0)
+    if jnp.iscomplexobj(value) and not jnp.iscomplexobj(x):
+        value = jnp.real(value)
+    return lax.pad(x, jnp.asarray(value).astype(x.dtype), config)
+
+
+def _pad_mode(mode, nd):
+    def fwd(x, padding):
+        width = [(0, 0)] * (x.ndim - nd) + [
+            (padding[2 * i], padding[2 * i + 1]) for i in reversed(range(nd))]
+        return jnp.pad(x, width, mode=mode)
+
+    def bwd(grad, x, padding):
+        _, vjp = jax.vjp(lambda v: fwd(v, padding), x)
+        return vjp(grad.astype(x.dtype))[0]
+    return fwd, bwd
+
+
+for _nd in (1, 2, 3):
+    for _name, _mode in (("reflection", "reflect"), ("replication", "edge")):
+        _fwd, _bwd = _pad_mode(_mode, _nd)
+        lower(getattr(aten, f"{_name}_pad{_nd}d").default)(_fwd)
+        lower(getattr(aten, f"{_name}_pad{_nd}d_backward").default)(_bwd)
+
+
+@lower(aten.tril.default)
+def tril(x, diagonal=0):
+    return jnp.tril(x, diagonal)
+
+
+@lower(aten.triu.default)
+def triu(x, diagonal=0):
+    return jnp.triu(x, diagonal)
+
+
+@lower(aten.diag_embed.default)
+def diag_embed(x, offset=0, dim1=-2, dim2=-1):
+    n = x.shape[-1]
+    m = n + abs(offset)
+    i = jnp.arange(n)
+    rows, cols = i + max(-offset, 0), i + max(offset, 0)
+    out = jnp.zeros(x.shape[:-1] + (m, m), x.dtype).at[..., rows, cols].set(x)
+    nd = x.ndim + 1
+    return jnp.moveaxis(out, (-2, -1), (_dim(dim1, nd), _dim(dim2, nd)))
+
+
+# ---- dtype reinterpretation -------------------------------------------------
+# These are views in PyTorch, but the result has another dtype, so it cannot
+# share a typed storage array here: they return copies, and writes through
+# the result are not seen by the input (nor the other way round).
+
+def _to_real_pairs(x):
+    """complex (..., n) -> its real dtype (..., 2n)."""
+    pairs = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    return pairs.reshape(x.shape[:-1] + (-1,)) if x.ndim else pairs
+
+
+def _bitcast(x, dtype):
+    """Reinterpret the last dim's bytes as dtype (its size scales)."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if jnp.iscomplexobj(x):
+        x = _to_real_pairs(x)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        part = jnp.float32 if dtype == jnp.complex64 else jnp.float64
+        r = _bitcast(x, part)
+        r = r.reshape(r.shape[:-1] + (-1, 2))
+        return lax.complex(r[..., 0], r[..., 1])
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    target = jnp.uint8 if dtype == jnp.bool_ else dtype
+    src_size, dst_size = x.dtype.itemsize, jnp.dtype(target).itemsize
+    if src_size > dst_size:
+        out = lax.bitcast_convert_type(x, target)
+        out = out.reshape(out.shape[:-2] + (-1,)) if x.ndim else out.reshape(-1)
+    elif src_size < dst_size:
+        ratio = dst_size // src_size
+        out = lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (-1, ratio)), target)
+    else:
+        out = lax.bitcast_convert_type(x, target)
+    return out != 0 if dtype == jnp.bool_ else out
+
+
+@lower(aten.view.dtype)
+def view_dtype(x, dtype):
+    return _bitcast(x, ctx_dtype()).reshape(_out_shape())
+
+
+@lower(aten.view_as_real.default)
+def view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@lower(aten.view_as_complex.default)
+def view_as_complex(x):
+    return lax.complex(x[..., 0], x[..., 1])
