@@ -62,9 +62,11 @@ def eager_mode(name):
 
 
 def note_sync(reason):
-    """Name the reason for the next flush (fused mode reports it)."""
+    """Name the reason for the next read of device values (fused mode reports
+    it per flush). The outermost caller names it: print() reads through .cpu()."""
     global _sync_reason
-    _sync_reason = reason
+    if _sync_reason is None:
+        _sync_reason = reason
 
 
 def take_sync_reason(default):

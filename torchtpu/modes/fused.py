@@ -21,7 +21,7 @@ import warnings
 
 import jax
 
-from .. import cache, metrics
+from .. import cache, errors, metrics
 from ..tensor import Pending
 from .strict import StrictExecutor
 
@@ -48,6 +48,7 @@ class _Stats:
         self.fused_ops = collections.Counter()  # ops per graph -> graphs
         self.fused_op_total = 0
         self.fused_fallbacks = 0
+        self.last_flush = None
 
     def snapshot(self):
         graphs = sum(self.fused_ops.values())
@@ -95,10 +96,10 @@ class FusedExecutor(StrictExecutor):
     def __init__(self):
         super().__init__()
         self._graph = _Graph()
-        self._recent_new = collections.deque(maxlen=CHURN_WINDOW)
+        self._regions = {}  # flush site -> recent (new graph?) flags
         self._eager_ops_left = 0
         self._debug = os.environ.get("TORCHTPU_FUSE_DEBUG") == "1"
-        self.max_ops = max_ops()
+        self._limit = max_ops()
 
     # -- recording ---------------------------------------------------------
     def run(self, kernel, flat, call):
@@ -106,7 +107,7 @@ class FusedExecutor(StrictExecutor):
             self._eager_ops_left -= 1
             flat = [self._concrete_value(x) for x in flat]
             return super().run(kernel, flat, call)
-        if len(self._graph.nodes) >= self.max_ops:
+        if len(self._graph.nodes) >= self._limit:
             # Flush before recording: every earlier result is owned by now.
             self.flush("limit")
             flat = [self._concrete_value(x) for x in flat]
@@ -146,9 +147,10 @@ class FusedExecutor(StrictExecutor):
         return x
 
     def concrete(self, storage):
+        from . import take_sync_reason
+        reason = take_sync_reason("read")
         if type(storage.array) is Pending:
-            from . import take_sync_reason
-            self.flush(take_sync_reason("read"))
+            self.flush(reason)
         return storage.array
 
     def sync(self):
@@ -159,6 +161,7 @@ class FusedExecutor(StrictExecutor):
     # -- flushing ----------------------------------------------------------
     def flush(self, reason):
         g = self._graph
+        self._limit = max_ops()
         if not g.nodes:
             return
         self._graph = _Graph()
@@ -178,28 +181,36 @@ class FusedExecutor(StrictExecutor):
             # The entry holds the kernels: their ids in the key stay theirs.
             entry = cache.store(key, (_build_graph(g.nodes, live_refs), [k for k, _ in g.nodes]))
             STATS.graphs_compiled += 1
-        self._note_churn(not hit)
+        site = _user_line()
+        self._note_churn(site, not hit)
         STATS.flushes[reason] += 1
         STATS.fused_ops[len(g.nodes)] += 1
         STATS.fused_op_total += len(g.nodes)
+        STATS.last_flush = {"reason": reason, "site": site, "ops": len(g.nodes),
+                            "outputs": len(live), "cache_hit": hit}
         if self._debug:
-            print(f"[torchtpu fused] flush reason={reason} at {_user_line()} ops={len(g.nodes)} "
+            print(f"[torchtpu fused] flush reason={reason} at {site} ops={len(g.nodes)} "
                   f"outputs={len(live)} cache={'hit' if hit else 'miss'}", file=sys.stderr)
         results = entry[0](g.inputs, g.scalars)
         self._last = results
         for (p, owner), value in zip(live, results):
             owner.array = value
+        errors.after_flush(g, results)  # NaN/Inf checks name the op and line
 
-    def _note_churn(self, new_key):
-        self._recent_new.append(new_key)
-        if len(self._recent_new) == CHURN_WINDOW and sum(self._recent_new) >= CHURN_NEW_KEYS:
+    def _note_churn(self, site, new_key):
+        """A flush site whose graphs keep changing runs op by op for a while."""
+        recent = self._regions.get(site)
+        if recent is None:
+            recent = self._regions[site] = collections.deque(maxlen=CHURN_WINDOW)
+        recent.append(new_key)
+        if len(recent) == CHURN_WINDOW and sum(recent) >= CHURN_NEW_KEYS:
             STATS.fused_fallbacks += 1
             if STATS.fused_fallbacks == 1:
                 warnings.warn("torchtpu: fused graphs keep changing (new shapes every step?); "
                               f"running the next {CHURN_BACKOFF_OPS} ops op by op instead of "
                               "recompiling (counted in metrics fused_fallbacks)", stacklevel=4)
             self._eager_ops_left = CHURN_BACKOFF_OPS
-            self._recent_new.clear()
+            recent.clear()
 
 
 def _abstract(kernel, flat):

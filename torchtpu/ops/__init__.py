@@ -22,7 +22,11 @@ def lower(*ops, random=False):
 
     random=True: fn also takes key=, a JAX PRNG key that the dispatcher
     derives inside the kernel from the device generator's (seed, offset),
-    passed as dynamic inputs so that successive calls never recompile."""
+    passed as dynamic inputs so that successive calls never recompile.
+
+    Python numbers arrive traced unless fn.static_args names them (a tuple of
+    argument names): then each value compiles its own kernel (an arange's
+    bounds, a norm's ord)."""
     def deco(fn):
         fn.random = random
         for op in ops:

@@ -1,0 +1,186 @@
+"""Fused mode: sync points, caching of step graphs, churn fallback, parity with strict."""
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu
+from torchtpu import metrics
+
+
+@pytest.fixture
+def fused():
+    previous = torchtpu.get_eager_mode()
+    torchtpu.set_eager_mode("fused")
+    metrics.reset()
+    yield
+    torchtpu.set_eager_mode(previous)
+
+
+def flushes():
+    return metrics.snapshot()["flushes"]
+
+
+def pending(t):
+    from torchtpu.tensor import Pending
+    return type(t._storage.array) is Pending
+
+
+def test_ops_are_recorded_not_run(fused):
+    x = torch.arange(6.0, device="tpu").view(2, 3)
+    y = x * 2 + 1
+    assert pending(y)
+    assert y.shape == (2, 3) and y.dtype == torch.float32
+    assert y.stride() == (3, 1)
+    assert flushes() == {}
+    torch.testing.assert_close(y.cpu(), torch.arange(6.0).view(2, 3) * 2 + 1)
+    assert flushes() == {"cpu": 1}
+    assert not pending(y)
+
+
+def test_shape_errors_raise_at_the_call(fused):
+    a = torch.ones(2, 3, device="tpu")
+    b = torch.ones(4, device="tpu")
+    with pytest.raises(RuntimeError, match="must match the size|broadcast"):
+        a + b
+    assert flushes() == {}
+
+
+@pytest.mark.parametrize("reason, action", [
+    ("item", lambda t: t.sum().item()),
+    ("item", lambda t: bool(t.sum() > 0)),
+    ("cpu", lambda t: t.cpu()),
+    ("cpu", lambda t: t.tolist()),
+    ("print", lambda t: repr(t)),
+    ("cpu", lambda t: torch.save(t, io.BytesIO())),
+    ("sync", lambda t: torchtpu.sync()),
+    ("sync", lambda t: torch.tpu.synchronize()),
+    ("mode_switch", lambda t: torchtpu.set_eager_mode("strict")),
+])
+def test_sync_points_flush(fused, reason, action):
+    t = torch.ones(3, device="tpu") + 1
+    assert pending(t)
+    action(t)
+    assert flushes().get(reason, 0) >= 1, flushes()
+    assert not pending(t)
+
+
+def test_value_dependent_shape_flushes(fused):
+    t = torch.tensor([0.0, 1.0, 0.0, 2.0], device="tpu") * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nz = torch.nonzero(t)
+    assert sum(flushes().values()) >= 1
+    torch.testing.assert_close(nz.cpu(), torch.tensor([[1], [3]]))
+
+
+def test_buffer_limit_flushes(fused, monkeypatch):
+    monkeypatch.setenv("TORCHTPU_FUSE_MAX_OPS", "10")
+    torchtpu.sync()  # the limit is read when a graph starts
+    c = torch.zeros(4, device="tpu")
+    for _ in range(25):
+        c = c + 1
+    assert flushes().get("limit", 0) == 2
+    torch.testing.assert_close(c.cpu(), torch.full((4,), 25.0))
+
+
+def test_intermediates_are_not_outputs(fused):
+    y = torch.ones(8, device="tpu")
+    c = torch.zeros(8, device="tpu")
+    torchtpu.sync()
+    for _ in range(50):
+        c = c + y
+    torchtpu.sync()
+    from torchtpu.modes.fused import STATS
+    # One graph of 50 ops whose only live result is the final c.
+    assert STATS.last_flush["ops"] == 50
+    assert STATS.last_flush["outputs"] == 1
+    torch.testing.assert_close(c.cpu(), torch.full((8,), 50.0))
+
+
+def test_views_and_mutation_before_flush(fused):
+    ref = torch.arange(12.0).view(3, 4)
+    x = ref.to("tpu")
+    for t in (ref, x):
+        t[1].add_(10)
+        t.t()[2].mul_(-1)
+        v = t.view(12)
+        v[0] = 7
+        t.narrow(1, 1, 2).copy_(torch.ones(3, 2, device=t.device))
+    assert pending(x)
+    torch.testing.assert_close(x.cpu(), ref)
+    torch.testing.assert_close(v.cpu(), ref.view(12))
+
+
+def _mlp_step_counts(mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 16).to("tpu")
+    y = torch.randint(0, 4, (8,)).to("tpu")
+    losses = []
+    for _ in range(10):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_training_loop_hits_one_step_graph(fused):
+    from torchtpu.modes.fused import STATS
+    losses, params = _mlp_step_counts("fused")
+    # One graph per step; step 1 (no optimizer state yet) and step 2 (state
+    # created) may differ, every later step reuses the same graph.
+    assert STATS.flushes.get("item") == 10
+    assert STATS.graphs_compiled <= 3 + _setup_graphs()
+    assert STATS.graph_cache_hits >= 7
+    with torchtpu.eager_mode("strict"):
+        ref_losses, ref_params = _mlp_step_counts("strict")
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+def _setup_graphs():
+    # Graphs flushed while building the model and data (parameter init
+    # reads, copies), before the loop.
+    return 4
+
+
+def test_shape_churn_falls_back_to_op_by_op(fused):
+    from torchtpu.modes.fused import CHURN_WINDOW, STATS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 40):
+            t = torch.ones(n, device="tpu") * 2 + 1
+            assert t.sum().item() == 3.0 * n
+    assert STATS.fused_fallbacks >= 1
+    # After the fallback the loop stops compiling a graph per iteration.
+    assert STATS.graphs_compiled <= CHURN_WINDOW + 2
+    assert any("fused graphs keep changing" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: (a @ b.t()).relu().sum(dim=1),
+    lambda a, b: F.softmax(a * b, dim=-1),
+    lambda a, b: torch.where(a > 0, a, b).cumsum(0),
+    lambda a, b: F.layer_norm(a + b, (5,)),
+    lambda a, b: torch.cat([a, b], 0).max(dim=0).values,
+])
+def test_fused_matches_strict_forward_and_backward(fn):
+    torch.manual_seed(1)
+    a0, b0 = torch.randn(4, 5), torch.randn(4, 5)
+    results = {}
+    for mode in ("strict", "fused"):
+        with torchtpu.eager_mode(mode):
+            a = a0.to("tpu").requires_grad_()
+            b = b0.to("tpu").requires_grad_()
+            out = fn(a, b)
+            ga, gb = torch.autograd.grad(out.sum(), (a, b))
+            results[mode] = (out.detach().cpu(), ga.cpu(), gb.cpu())
+    for s, f in zip(results["strict"], results["fused"]):
+        torch.testing.assert_close(f, s)
