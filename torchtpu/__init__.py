@@ -12,6 +12,8 @@ _device.register_kernels()
 from .device import get_device  # noqa: E402
 from .modes import eager_mode, get_eager_mode, set_eager_mode, sync  # noqa: E402
 from .tensor import TpuTensor  # noqa: E402
+# `%load_ext torchtpu` in IPython: the %tpu_mode and %tpu_metrics magics.
+from .ipython import load_ipython_extension  # noqa: E402,F401
 
 __all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "sync",
            "TpuTensor", "metrics", "cache"]

@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch._decomp import decomposition_table
 
-from . import cache, metrics, modes, runtime
+from . import advisor, cache, errors, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
 from .tensor import Storage, TpuTensor, read_view, write_view
@@ -332,18 +332,22 @@ def _run_meta(func, args, kwargs):
 # ---- the dispatcher --------------------------------------------------------
 
 def dispatch(func, args, kwargs):
-    handler = SPECIAL.get(func)
-    if handler is not None:
-        return handler(*args, **kwargs)
-    plan = _plans.get(func) or plan_of(func)
-    kind = plan.kind
-    if kind == "lower" or kind == "mutate":
-        if plan.accepts is None or plan.accepts(*args, **kwargs):
-            return _run_lowered(plan, args, kwargs)
+    try:
+        handler = SPECIAL.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        plan = _plans.get(func) or plan_of(func)
+        kind = plan.kind
+        if kind == "lower" or kind == "mutate":
+            if plan.accepts is None or plan.accepts(*args, **kwargs):
+                return _run_lowered(plan, args, kwargs)
+            return _run_other(plan, args, kwargs)
+        if kind == "view":
+            return _run_view(plan, args, kwargs)
         return _run_other(plan, args, kwargs)
-    if kind == "view":
-        return _run_view(plan, args, kwargs)
-    return _run_other(plan, args, kwargs)
+    except Exception as e:
+        # PyTorch's exception type, at the user's line (torchtpu.errors).
+        raise errors.user_error(e, func, args, kwargs)
 
 
 def _run_lowered(plan, args, kwargs):
@@ -361,13 +365,19 @@ def _run_lowered(plan, args, kwargs):
         else:
             out_meta = _run_meta(plan.func, args, kwargs)
         entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta), out_meta))
+        advisor.note_new_kernel(plan.name)
     kernel, out_meta = entry
     metrics.M.ops_dispatched += 1
     flat = [s.array for s in call.storages]
     flat.extend(call.dynamic)
     if plan.random:
         flat.extend(rng.next_key())
-    outs, new_storages = modes.current().run(kernel, flat, call)
+    ex = modes.current()
+    if ex.name == "debug" or errors.CHECK_NANS:
+        # Index bounds and NaN/Inf checks (torchtpu.errors).
+        outs, new_storages = errors.checked_run(ex, plan, kernel, flat, call, args, kwargs)
+    else:
+        outs, new_storages = ex.run(kernel, flat, call)
     if plan.kind == "mutate":
         slots = sorted({s[1] for s in _flat_written(kernel.written)})
         for slot, arr in zip(slots, new_storages):
@@ -497,6 +507,7 @@ def cpu_fallback(plan, args, kwargs):
     metrics.M.cpu_fallbacks[name] += 1
     if name not in _warned_fallback:
         _warned_fallback.add(name)
+        advisor.note_fallback(name)
         warnings.warn(f"torchtpu: {name} has no tpu lowering; running it on CPU "
                       "(counted in torchtpu.metrics cpu_fallbacks)", stacklevel=4)
     modes.note_sync("cpu_fallback")
@@ -563,6 +574,8 @@ def device_array(t):
 def download(t):
     """A TpuTensor -> a new CPU tensor with its values."""
     metrics.M.syncs += 1
+    if advisor.ON:
+        return advisor.sync_point(lambda: runtime.to_host(device_array(t)))
     return runtime.to_host(device_array(t))
 
 

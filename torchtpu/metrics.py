@@ -1,5 +1,6 @@
 """Counters of what torchtpu did: ops, compilations, cache hits, syncs, fallbacks."""
 import collections
+import html
 
 _COUNTERS = ("ops_dispatched", "compilations", "memory_cache_hits",
              "disk_cache_hits", "disk_cache_misses", "syncs")
@@ -20,6 +21,16 @@ class _Metrics:
 
 M = _Metrics()
 _providers = []
+_footers = []
+
+
+def register_footer(text):
+    """Let a layer add text under report() (the debug advisor): text() -> str."""
+    _footers.append(text)
+
+
+def _footer_text():
+    return "\n".join(t for t in (fn() for fn in _footers) if t)
 
 
 def register_provider(snapshot, reset=None):
@@ -64,7 +75,9 @@ class Report(str):
 
     def _repr_html_(self):
         cells = "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in _rows())
-        return f"<table><tr><th>metric</th><th>value</th></tr>{cells}</table>"
+        footer = _footer_text()
+        footer = f"<pre>{html.escape(footer)}</pre>" if footer else ""
+        return f"<table><tr><th>metric</th><th>value</th></tr>{cells}</table>{footer}"
 
 
 def report():
@@ -72,4 +85,7 @@ def report():
     width = max(len(k) for k, _ in rows)
     lines = ["torchtpu metrics", "-" * (width + 16)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    footer = _footer_text()
+    if footer:
+        lines += ["", footer]
     return Report("\n".join(lines))

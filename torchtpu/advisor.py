@@ -1,0 +1,151 @@
+"""The debug advisor: what makes this program slow, and where.
+
+With TORCHTPU_DEBUG=1, a short summary is printed at exit and appended to
+torchtpu.metrics.report(): ops that fell back to CPU (count, first user
+line), ops and fused graphs compiled for many shapes (shape churn), sync
+points per training step (optimizer.step() calls) with their lines, and
+compile and execute time.
+
+Everything is recorded when the event happens, never per op: the first
+line of each CPU fallback, the line where an op crosses the churn threshold,
+the line of each sync point (a sync costs far more than the stack walk).
+"""
+import atexit
+import collections
+import os
+import sys
+import time
+
+from . import errors, metrics
+
+ON = os.environ.get("TORCHTPU_DEBUG") == "1"
+# An op compiled for this many different shapes/arguments is churning.
+CHURN_KERNELS = int(os.environ.get("TORCHTPU_CHURN_THRESHOLD", "8"))
+_START = time.perf_counter()
+
+
+class _State:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.fallback_lines = {}                 # op -> first user line
+        self.kernels = collections.Counter()     # op -> kernels compiled
+        self.churn_lines = {}                    # op -> line at the threshold
+        self.syncs = collections.Counter()       # (line, reason) -> count
+        self.sync_seconds = 0.0
+        self.steps = 0
+
+
+S = _State()
+metrics.register_provider(lambda: {}, S.reset)
+
+
+def enable(on=True):
+    """Turn the advisor on (as TORCHTPU_DEBUG=1 does at start)."""
+    global ON
+    ON = bool(on)
+    if ON:
+        _install()
+
+
+def note_fallback(op):
+    """An op ran on CPU for the first time (called once per op name)."""
+    S.fallback_lines.setdefault(op, errors.user_line(sys._getframe(1)))
+
+
+def note_new_kernel(op):
+    """A new kernel was built for op (a cache miss: new shapes/arguments)."""
+    n = S.kernels[op] = S.kernels[op] + 1
+    if n == CHURN_KERNELS:
+        S.churn_lines[op] = errors.user_line(sys._getframe(1))
+
+
+def sync_point(read):
+    """Run read() (a device->host transfer), noting its line and wait."""
+    from . import modes
+    reason = modes._sync_reason or "read"
+    S.syncs[(errors.user_line(sys._getframe(1)), reason)] += 1
+    start = time.perf_counter()
+    try:
+        return read()
+    finally:
+        S.sync_seconds += time.perf_counter() - start
+
+
+def _on_step(optimizer, args, kwargs):
+    S.steps += 1
+
+
+_installed = False
+
+
+def _install():
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(_on_step)
+    atexit.register(_print_at_exit)
+    metrics.register_footer(lambda: summary() if ON else "")
+
+
+def _print_at_exit():
+    if ON:
+        print(summary(), file=sys.stderr)
+
+
+def _short(line):
+    """'dir/file.py:12' -> 'file.py:12' for long paths (still unambiguous enough)."""
+    path, _, lineno = line.rpartition(":")
+    return f"{os.path.basename(path) or path}:{lineno}" if path else line
+
+
+def summary():
+    """The advisor's text: at most a few lines per finding."""
+    snap = metrics.snapshot()
+    out = ["torchtpu debug advisor (TORCHTPU_DEBUG=1)"]
+    fallbacks = snap.get("cpu_fallbacks", {})
+    if fallbacks:
+        out.append("  CPU fallbacks (each copies its inputs to the host and back; "
+                   "a lowering would keep them on the device):")
+        for op, n in sorted(fallbacks.items(), key=lambda kv: -kv[1])[:8]:
+            line = S.fallback_lines.get(op, "<unknown>")
+            out.append(f"    {op}: {n} calls, first at {_short(line)}")
+    churn = [(op, n) for op, n in S.kernels.items() if n >= CHURN_KERNELS]
+    if churn:
+        out.append("  Shape churn (ops compiled again for each new shape; pad or bucket "
+                   "the varying dimension):")
+        for op, n in sorted(churn, key=lambda kv: -kv[1])[:8]:
+            out.append(f"    {op}: {n} compilations, churning at "
+                       f"{_short(S.churn_lines.get(op, '<unknown>'))}")
+    graphs = snap.get("graphs_compiled", 0)
+    hits = snap.get("graph_cache_hits", 0)
+    if graphs >= CHURN_KERNELS and graphs > hits:
+        out.append(f"  Fused graphs: {graphs} compiled, {hits} reused; the graph changes "
+                   "between steps (new shapes?)"
+                   + (f"; fused mode fell back to op by op {snap.get('fused_fallbacks')} times"
+                      if snap.get("fused_fallbacks") else ""))
+    if S.syncs:
+        total = sum(S.syncs.values())
+        steps = S.steps
+        if steps:
+            out.append(f"  Sync points: {total} in {steps} training steps "
+                       f"({total / steps:.1f} per step); each waits for the device:")
+        else:
+            out.append(f"  Sync points: {total}; each waits for the device:")
+        for (line, reason), n in S.syncs.most_common(6):
+            per = f" ({n / steps:.1f} per step)" if steps else ""
+            out.append(f"    {_short(line)}: {reason} x{n}{per}")
+    compile_s = snap.get("compile_seconds", 0.0) + snap.get("graph_build_seconds", 0.0)
+    out.append(f"  Time: compile {compile_s:.2f} s ({snap.get('compilations', 0)} compilations), "
+               f"execute (waiting at sync points) {S.sync_seconds:.2f} s, "
+               f"wall {time.perf_counter() - _START:.2f} s")
+    if len(out) == 2:
+        out.insert(1, "  nothing to report: no CPU fallbacks, no shape churn, no syncs")
+    return "\n".join(out)
+
+
+if ON:
+    _install()

@@ -1,0 +1,415 @@
+"""Errors as PyTorch raises them, at the user's line.
+
+The dispatcher sends every exception raised while running an op through
+`user_error`:
+- PyTorch's own errors (meta-kernel shape/dtype checks, CPU fallback) and
+  torchtpu's deliberate ones keep their type and message;
+- failures inside a lowering, a JAX trace or the XLA runtime become the
+  exception type PyTorch would raise, with a message naming the aten op,
+  its inputs' shapes/dtypes and, in one line, what went wrong.
+
+Either way the traceback is cut at the dispatcher: no JAX or lowering frames.
+The few torch/torchtpu frames left between the user's line and the
+dispatcher are marked `__tracebackhide__` (pytest and IPython hide them), and
+an uncaught one is printed (sys.excepthook) ending at the user's line.
+TORCHTPU_FULL_TRACEBACK=1 keeps everything.
+
+Debug-mode checks live here too: index bounds (JAX clamps out-of-range
+indices silently; PyTorch raises) and the NaN/Inf checks' op/line reports.
+"""
+import os
+import sys
+
+import jax
+import torch
+
+
+def _dir(module):
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+try:
+    import jaxlib
+    _JAX = (_dir(jax), _dir(jaxlib))
+except ImportError:  # pragma: no cover
+    _JAX = (_dir(jax),)
+_SKIP = (_dir(torch), os.path.dirname(os.path.abspath(__file__)) + os.sep) + _JAX
+_OPS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops") + os.sep
+_TRACER_ERRORS = tuple(getattr(jax.errors, n) for n in (
+    "ConcretizationTypeError", "TracerBoolConversionError",
+    "TracerIntegerConversionError", "TracerArrayConversionError") if hasattr(jax.errors, n))
+_PYTORCH_TYPES = (IndexError, TypeError, ValueError, NotImplementedError)
+
+
+def full_traceback():
+    return os.environ.get("TORCHTPU_FULL_TRACEBACK") == "1"
+
+
+# ---- where the user is -----------------------------------------------------
+
+def is_internal(filename):
+    return filename.startswith(_SKIP) or filename.startswith("<frozen")
+
+
+def user_frame(frame=None):
+    """The innermost frame outside torchtpu, torch and JAX."""
+    frame = frame or sys._getframe(1)
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def user_line(frame=None):
+    """'file:line' of the user's innermost frame (a cheap stack walk)."""
+    frame = user_frame(frame or sys._getframe(1))
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+# ---- describing an op call -------------------------------------------------
+
+def _short_dtype(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def describe_arg(x):
+    if isinstance(x, torch.Tensor):
+        where = "" if x.device.type == "tpu" else f", {x.device.type}"
+        return f"{_short_dtype(x.dtype)}{list(x.shape)}{where}"
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(describe_arg(v) for v in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+    if x is None:
+        return "None"
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def describe_call(func, args=(), kwargs=None):
+    """'aten.add.Tensor(float32[3], float32[4], alpha=2)'."""
+    parts = [describe_arg(a) for a in args]
+    parts += [f"{k}={describe_arg(v)}" for k, v in (kwargs or {}).items()]
+    return f"{func}({', '.join(parts)})"
+
+
+def _first_line(e):
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+# ---- translating an exception ----------------------------------------------
+
+def _frames(tb):
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
+
+
+def _origin(tb):
+    """(ran through JAX, ran through a lowering, the fused flush frame)."""
+    in_jax = in_lowering = False
+    flush = None
+    for frame in _frames(tb):
+        name = frame.f_code.co_filename
+        if name.startswith(_OPS_DIR):
+            in_lowering = True
+        elif name.startswith(_JAX):
+            in_jax = True
+        if frame.f_code.co_name == "flush" and name.endswith(os.path.join("modes", "fused.py")):
+            flush = frame
+    return in_jax, in_lowering, flush
+
+
+def _fused_graph_ops(flush_frame):
+    """Op names (and issuing lines, where recorded) of the graph a fused flush
+    was running."""
+    g = flush_frame.f_locals.get("g")
+    nodes = getattr(g, "nodes", None) or []
+    lines = _graph_lines(g)
+    names = []
+    for i, (kernel, _) in enumerate(nodes):
+        line = lines[i] if lines else None
+        names.append(kernel.name + (f" at {line}" if line else ""))
+    return names, flush_frame.f_locals.get("reason")
+
+
+def _translate(e, func, args, kwargs):
+    in_jax, in_lowering, flush = _origin(e.__traceback__)
+    if not (in_jax or in_lowering):
+        return e  # PyTorch's own check, or torchtpu's deliberate error
+    call = describe_call(func, args, kwargs)
+    what = f"{type(e).__name__}: {_first_line(e)}"
+    if flush is not None:
+        names, reason = _fused_graph_ops(flush)
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        msg = (f"torchtpu: a fused graph of {len(names)} ops ({shown}) failed at a sync "
+               f"point ({reason}) reached by {call}: {what}")
+        return RuntimeError(msg)
+    if isinstance(e, _TRACER_ERRORS):
+        return RuntimeError(f"torchtpu: {call}: its tpu lowering depends on tensor values, "
+                            f"which are not known while tracing (a torchtpu bug): {what}")
+    if isinstance(e, jax.errors.JaxRuntimeError) if hasattr(jax.errors, "JaxRuntimeError") else False:
+        return RuntimeError(f"torchtpu: {call} failed on the device: {what}")
+    cls = next((c for c in _PYTORCH_TYPES if isinstance(e, c)), RuntimeError)
+    return cls(f"torchtpu: {call} failed in its tpu lowering (a torchtpu bug; "
+               f"TORCHTPU_FULL_TRACEBACK=1 shows where): {what}")
+
+
+def user_error(e, func, args=(), kwargs=None):
+    """The exception to raise, from the dispatcher's except block, for e
+    raised while running func: `raise errors.user_error(e, func, args, kwargs)`."""
+    if full_traceback():
+        # Re-raising adds the dispatcher's frame again: drop its old entry.
+        tb = e.__traceback__
+        return e.with_traceback(tb.tb_next if tb is not None else None)
+    err = e if getattr(e, "_torchtpu", False) else _translate(e, func, args, kwargs)
+    if err is not e:
+        err.__cause__ = None
+    err.__suppress_context__ = True
+    err._torchtpu = True
+    _hide_internal_frames(sys._getframe(1))
+    _install_excepthook()
+    return err.with_traceback(None)
+
+
+def _hide_internal_frames(frame):
+    """Mark the torch/torchtpu frames between the dispatcher and the user's
+    line so that pytest and IPython leave them out of the traceback."""
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        try:
+            frame.f_locals["__tracebackhide__"] = True
+        except Exception:  # pragma: no cover - a frame without a locals dict
+            pass
+        frame = frame.f_back
+
+
+def trim(tb):
+    """tb cut after its last frame outside torchtpu, torch and JAX."""
+    last = None
+    for t in _tb_entries(tb):
+        if not is_internal(t.tb_frame.f_code.co_filename):
+            last = t
+    if last is not None:
+        last.tb_next = None
+    return tb
+
+
+def _tb_entries(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+_previous_hook = None
+
+
+def _excepthook(etype, value, tb):
+    if getattr(value, "_torchtpu", False) and not full_traceback():
+        tb = trim(tb)
+        value.__traceback__ = tb
+    (_previous_hook or sys.__excepthook__)(etype, value, tb)
+
+
+def _install_excepthook():
+    global _previous_hook
+    if sys.excepthook is not _excepthook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+# ---- debug-mode index bounds -----------------------------------------------
+
+def _index_message(value, dim, size):
+    return f"index {value} is out of bounds for dimension {dim} with size {size}"
+
+
+def check_index(index, dim, size, allow_negative=True, exc=IndexError, what=None):
+    """Raise exc (PyTorch's wording) if a tpu/CPU index tensor holds a value
+    out of range for a dimension of the given size. Syncs: debug mode only."""
+    if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8):
+        return
+    values = _host(index)
+    if values.numel() == 0:
+        return
+    low = -size if allow_negative else 0
+    bad = (values < low) | (values >= size)
+    if bool(bad.any()):
+        first = int(values[bad].reshape(-1)[0])
+        msg = _index_message(first, dim, size)
+        raise exc(f"{what}: {msg}" if what else msg)
+
+
+def _host(t):
+    if t.device.type != "tpu":
+        return t.detach().reshape(-1)
+    from . import runtime
+    from .dispatch import device_array
+    return runtime.to_host(device_array(t)).reshape(-1)
+
+
+def _dim(d, ndim):
+    return d % ndim if ndim else 0
+
+
+def _check_indices(x, indices):
+    d = 0
+    for idx in indices:
+        if idx is None:
+            d += 1
+            continue
+        if idx.dtype in (torch.bool, torch.uint8):
+            d += idx.dim()
+            continue
+        if d < x.dim():
+            check_index(idx, d, x.shape[d])
+        d += 1
+
+
+def _bounds_index(x, indices, *rest, **kw):
+    _check_indices(x, indices)
+
+
+def _bounds_dim(exc, allow_negative):
+    def check(x, dim, index, *rest, **kw):
+        d = _dim(dim, x.dim())
+        check_index(index, d, x.shape[d] if x.dim() else 1, allow_negative, exc)
+    return check
+
+
+def _bounds_embedding(weight, indices, *rest, **kw):
+    check_index(indices, 0, weight.shape[0], allow_negative=False)
+
+
+def _bounds_take(x, index, *rest, **kw):
+    n = x.numel()
+    if not isinstance(index, torch.Tensor) or index.numel() == 0:
+        return
+    values = _host(index)
+    bad = (values < -n) | (values >= n)
+    if bool(bad.any()):
+        first = int(values[bad][0])
+        raise IndexError(f"out of range: tried to access index {first} on a tensor of {n} elements.")
+
+
+_aten = torch.ops.aten
+# Which argument indexes which dimension, per op; the exception type is the
+# one PyTorch raises on CPU (gather/scatter: RuntimeError).
+BOUNDS = {
+    _aten.index.Tensor: _bounds_index,
+    _aten.index_put.default: _bounds_index,
+    _aten.index_put_.default: _bounds_index,
+    _aten._index_put_impl_.default: _bounds_index,
+    _aten.gather.default: _bounds_dim(RuntimeError, False),
+    _aten.scatter.src: _bounds_dim(RuntimeError, False),
+    _aten.scatter.value: _bounds_dim(RuntimeError, False),
+    _aten.scatter.reduce: _bounds_dim(RuntimeError, False),
+    _aten.scatter.value_reduce: _bounds_dim(RuntimeError, False),
+    _aten.scatter_.src: _bounds_dim(RuntimeError, False),
+    _aten.scatter_.value: _bounds_dim(RuntimeError, False),
+    _aten.scatter_add.default: _bounds_dim(RuntimeError, False),
+    _aten.scatter_add_.default: _bounds_dim(RuntimeError, False),
+    _aten.scatter_reduce.two: _bounds_dim(RuntimeError, False),
+    _aten.scatter_reduce_.two: _bounds_dim(RuntimeError, False),
+    _aten.index_select.default: _bounds_dim(IndexError, False),
+    _aten.index_add.default: _bounds_dim(IndexError, False),
+    _aten.index_add_.default: _bounds_dim(IndexError, False),
+    _aten.index_copy.default: _bounds_dim(IndexError, False),
+    _aten.index_copy_.default: _bounds_dim(IndexError, False),
+    _aten.index_fill.int_Scalar: _bounds_dim(IndexError, True),
+    _aten.index_fill.int_Tensor: _bounds_dim(IndexError, True),
+    _aten.index_fill_.int_Scalar: _bounds_dim(IndexError, True),
+    _aten.index_fill_.int_Tensor: _bounds_dim(IndexError, True),
+    _aten.embedding.default: _bounds_embedding,
+    _aten.take.default: _bounds_take,
+    _aten.put.default: _bounds_take,
+    _aten.put_.default: _bounds_take,
+}
+
+
+def check_bounds(func, args, kwargs):
+    """Debug mode: PyTorch's range check for func's index arguments."""
+    check = BOUNDS.get(func)
+    if check is not None:
+        check(*args, **kwargs)
+
+
+# ---- checked runs (debug mode, NaN checks) ---------------------------------
+
+def check_nans_enabled():
+    return os.environ.get("TORCHTPU_CHECK_NANS") == "1"
+
+
+# Read once for strict and fused mode (the dispatcher tests it per op);
+# debug mode also reads the variable live. set_check_nans() changes it.
+CHECK_NANS = check_nans_enabled()
+
+
+def set_check_nans(on=True):
+    """Turn NaN/Inf checks on or off at run time (TORCHTPU_CHECK_NANS=1 at start)."""
+    global CHECK_NANS
+    CHECK_NANS = bool(on)
+    os.environ["TORCHTPU_CHECK_NANS"] = "1" if on else "0"
+
+
+# Fused mode with checks on: (kernel, user line) per recorded op, in
+# recording order; the flush takes them.
+_fused_log = []
+
+
+def checked_run(ex, plan, kernel, flat, call, args, kwargs):
+    """ex.run with debug mode's checks: index bounds before, NaN/Inf after."""
+    debug = ex.name == "debug"
+    if debug:
+        check_bounds(plan.func, args, kwargs)
+    outs, written = ex.run(kernel, flat, call)
+    if not (CHECK_NANS or check_nans_enabled()):
+        return outs, written
+    from .modes import debug as dbg
+    arrays = tuple(outs) + tuple(written)
+    if any(not hasattr(a, "block_until_ready") for a in arrays):
+        # Recorded, not run (fused): remember where, check at the flush.
+        _fused_log.append((kernel, user_line(sys._getframe(1))))
+        return outs, written
+    if dbg.any_nonfinite(arrays):
+        raise RuntimeError(nan_message(kernel.name, user_line(sys._getframe(1))))
+    return outs, written
+
+
+def nan_message(op, line):
+    return (f"torchtpu: {op} produced NaN or Inf (TORCHTPU_CHECK_NANS=1); "
+            f"issued at {line}")
+
+
+def _graph_lines(g):
+    """The issuing lines of a fused graph's nodes, if checks recorded them."""
+    nodes = getattr(g, "nodes", None) or []
+    n = len(nodes)
+    if len(_fused_log) < n:
+        return None
+    entries = _fused_log[:n]
+    if any(k is not node[0] for (k, _), node in zip(entries, nodes)):
+        return None
+    return [line for _, line in entries]
+
+
+def after_flush(g, results):
+    """Fused mode: with NaN checks on, a flushed graph whose results hold
+    NaN/Inf is replayed op by op to name the first op that produced one."""
+    if not _fused_log and not (CHECK_NANS or check_nans_enabled()):
+        return
+    lines = _graph_lines(g)
+    del _fused_log[:len(g.nodes)]
+    if not (CHECK_NANS or check_nans_enabled()):
+        return
+    from .modes import debug as dbg
+    if not dbg.any_nonfinite(results):
+        return
+    found = dbg.replay_for_nan(g)
+    if found is None:
+        raise RuntimeError("torchtpu: a fused graph produced NaN or Inf "
+                                 "(TORCHTPU_CHECK_NANS=1)")
+    i, name = found
+    line = lines[i] if lines else "<line not recorded: set TORCHTPU_CHECK_NANS=1 before the op>"
+    raise RuntimeError(nan_message(name, line))
