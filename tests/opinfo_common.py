@@ -85,6 +85,10 @@ class SampleTimeout(Exception):
     pass
 
 
+class Failure(Exception):
+    """A failure in one of the extra checks; the message says which."""
+
+
 @contextlib.contextmanager
 def time_limit(seconds):
     """Bound one op's check (SIGALRM: main thread only, else no limit)."""
@@ -208,6 +212,8 @@ def _normalize(tree):
 
 def short_error(e):
     """One line that says what went wrong."""
+    if isinstance(e, Failure):
+        return str(e)[:240]
     name = type(e).__name__
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     if isinstance(e, AssertionError) and lines:
@@ -285,7 +291,7 @@ def _check_range(op, sample, a, e):
         raise AssertionError(f"{name} gave negative values")
 
 
-def _forward_sample(op, oid, sample, dtype, tol, extras):
+def _forward_sample(op, oid, sample, dtype, tol, extras, first):
     if op.name in RANDOM_OPS:
         return _check_random(op, sample, tol)
     inp, args, kwargs = sample_copies(sample, False)
@@ -309,10 +315,36 @@ def _forward_sample(op, oid, sample, dtype, tol, extras):
         actual = to_cpu(sample.output_process_fn_grad(_call(op, t_inp, t_args, t_kwargs)))
         compare(actual, _cpu_detach(expected), tol)
     except Exception as e:
-        raise type(e)(f"non-contiguous inputs: {short_error(e)}") from e
+        raise Failure(f"non-contiguous inputs: {short_error(e)}") from e
     if op.inplace_variant is not None and isinstance(sample.input, torch.Tensor):
         _check_inplace(op, sample, tol)
+    if first and op.supports_out and isinstance(expected, torch.Tensor):
+        _check_out(op, sample, expected, tol)
     return None
+
+
+def _check_out(op, sample, expected, tol):
+    """out= given a view into a bigger buffer writes the result through it."""
+    if expected.numel() == 0:
+        return
+    inp, args, kwargs = sample_copies(sample, False)
+    try:
+        out = torch.empty_like(expected)
+        got = op(inp, *args, **kwargs, out=out)
+        if got is not out or not torch.equal(out, expected):
+            return
+    except Exception:
+        return  # CPU takes no out= for this sample
+    base = torch.zeros((2, *expected.shape), dtype=expected.dtype).to(TPU)
+    view = base[1]
+    t_inp, t_args, t_kwargs = sample_copies(sample, True)
+    try:
+        got = op(t_inp, *t_args, **t_kwargs, out=view)
+        if got is not view:
+            raise AssertionError("did not return its out= tensor")
+        compare(to_cpu(base), torch.stack([torch.zeros_like(expected), expected.detach()]), tol)
+    except Exception as e:
+        raise Failure(f"out= variant through a view: {short_error(e)}") from e
 
 
 def _meta_of(x):
@@ -344,14 +376,14 @@ def _check_inplace(op, sample, tol):
     try:
         out = op.inplace_variant(view, *t_args, **t_kwargs)
     except Exception as e:
-        raise type(e)(f"in-place variant: {short_error(e)}") from e
+        raise Failure(f"in-place variant: {short_error(e)}") from e
     if out is not view:
         raise AssertionError("in-place variant did not return its input")
     try:
         compare(to_cpu(view), inp.detach(), tol)
         compare(to_cpu(base), torch.stack([torch.zeros_like(x), inp.detach()]), tol)
     except Exception as e:
-        raise type(e)(f"in-place variant through a view: {short_error(e)}") from e
+        raise Failure(f"in-place variant through a view: {short_error(e)}") from e
 
 
 def _backward_sample(op, oid, sample, tol):
@@ -384,9 +416,13 @@ def _backward_sample(op, oid, sample, tol):
     return None
 
 
-def check(op, dtype, kind="forward", samples=2, extras=True, timeout=None):
-    """Run up to `samples` sample inputs of op; see the module docstring."""
+def check(op, dtype, kind="forward", samples=2, extras=None, timeout=None):
+    """Run up to `samples` sample inputs of op; see the module docstring.
+    extras (default: float32 only, as layout and aliasing do not depend on the
+    dtype) adds the non-contiguous, in-place-through-a-view and out= checks."""
     oid = op_id(op)
+    if extras is None:
+        extras = dtype == torch.float32
     dname = str(dtype).replace("torch.", "")
     if kind == "backward":
         if not op.supports_autograd or dtype not in op.supported_backward_dtypes("cpu"):
@@ -401,11 +437,11 @@ def check(op, dtype, kind="forward", samples=2, extras=True, timeout=None):
         warnings.simplefilter("ignore")
         try:
             with time_limit(timeout):
-                for sample in samples_of(op, dtype, kind == "backward", samples):
+                for i, sample in enumerate(samples_of(op, dtype, kind == "backward", samples)):
                     if kind == "backward":
                         why = _backward_sample(op, oid, sample, tol)
                     else:
-                        why = _forward_sample(op, oid, sample, dtype, tol, extras)
+                        why = _forward_sample(op, oid, sample, dtype, tol, extras, i == 0)
                     if why is None:
                         ran += 1
         except Exception as e:  # noqa: BLE001 - any failure is a finding
