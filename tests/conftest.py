@@ -9,8 +9,8 @@ os.environ.setdefault("TORCHTPU_CACHE_DIR", "off")
 
 import torchtpu  # noqa: E402
 
-# The modes every mode-parametrized test runs in. Add "fused" here when it lands.
-MODES = ["debug", "strict"]
+# The modes every mode-parametrized test runs in.
+MODES = ["debug", "strict", "fused"]
 
 
 @pytest.fixture(params=MODES)

@@ -22,7 +22,9 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        # No bias before BatchNorm: its gradient is zero up to rounding, which
+        # Adam's normalization turns into full-size steps of arbitrary sign.
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1, bias=False)
         self.bn = nn.BatchNorm2d(4)
         self.conv2 = nn.Conv2d(4, 6, 3, stride=2)
         self.pool = nn.MaxPool2d(2)
