@@ -26,7 +26,8 @@ def _dim(d, ndim):
 
 
 def _is_mask(t):
-    return t is not None and t.dtype in (torch.bool, torch.uint8)
+    """A boolean (or legacy uint8) index: a torch tensor or a JAX array."""
+    return t is not None and t.dtype in (torch.bool, torch.uint8, jnp.bool_, jnp.uint8)
 
 
 # ---- index / index_put -----------------------------------------------------
@@ -56,16 +57,25 @@ def _mask_position(indices):
     return None
 
 
+def _mask_values_fit(x_ndim, pos, mask_ndim, values_shape):
+    """True when values do not vary along the masked (value-dependent) dim
+    of x[mask], so x[mask] = values is an elementwise select."""
+    tail = x_ndim - pos - mask_ndim
+    k = len(values_shape) - tail - 1
+    return k < 0 or values_shape[k] == 1
+
+
 @lower(aten.index_put.default, aten._unsafe_index_put.default)
 def index_put(x, indices, values, accumulate=False):
     values = values.astype(x.dtype)
     found = _mask_position(indices)
     if found is not None:
-        # x[mask] = v with one value: an elementwise select.
         pos, mask = found
-        mask = mask.astype(jnp.bool_).reshape((1,) * pos + mask.shape
-                                              + (1,) * (x.ndim - pos - mask.ndim))
-        v = values.reshape(())
+        m = mask.ndim
+        mask = mask.astype(jnp.bool_).reshape((1,) * pos + mask.shape + (1,) * (x.ndim - pos - m))
+        # values as x[mask] with the masked dim of size 1, then laid out like x
+        one = x.shape[:pos] + (1,) + x.shape[pos + m:]
+        v = jnp.broadcast_to(values, one).reshape(x.shape[:pos] + (1,) * m + x.shape[pos + m:])
         if accumulate:
             return jnp.where(mask, x + v, x) if x.dtype != jnp.bool_ else x | (mask & v)
         return jnp.where(mask, v, x)
@@ -78,7 +88,8 @@ def index_put(x, indices, values, accumulate=False):
 def _index_put_accepts(x, indices, values, accumulate=False):
     if not any(_is_mask(i) for i in indices):
         return True
-    return _mask_position(indices) is not None and values.numel() == 1
+    found = _mask_position(indices)
+    return found is not None and _mask_values_fit(x.dim(), found[0], found[1].dim(), tuple(values.shape))
 
 
 index_put.accepts = _index_put_accepts
@@ -231,7 +242,8 @@ def _source(x, dim, source):
 @lower(aten.index_select.default)
 def index_select(x, dim, index):
     if x.ndim == 0:
-        return x.reshape(1)[wrap(index.reshape(-1), 1)].reshape(index.shape)
+        from . import ctx
+        return x.reshape(1)[wrap(index.reshape(-1), 1)].reshape(tuple(ctx.out[0].shape))
     dim = _dim(dim, x.ndim)
     return jnp.take(x, wrap(index.reshape(-1), x.shape[dim]), axis=dim)
 
@@ -297,6 +309,19 @@ def masked_scatter(x, mask, source):
         return x
     pos = jnp.clip(jnp.cumsum(flat_mask.astype(jnp.int64)) - 1, 0, src.size - 1)
     return jnp.where(flat_mask, src[pos], x.reshape(-1)).reshape(shape)
+
+
+@lower(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad, mask, sizes):
+    # source's gradient: grad at the True positions, in order, zero-padded.
+    n = 1
+    for s in sizes:
+        n *= s
+    shape = jnp.broadcast_shapes(grad.shape, mask.shape)
+    flat_mask = jnp.broadcast_to(mask, shape).reshape(-1)
+    g = jnp.broadcast_to(grad, shape).reshape(-1)
+    pos = jnp.where(flat_mask, jnp.cumsum(flat_mask.astype(jnp.int64)) - 1, n)
+    return jnp.zeros(n, grad.dtype).at[pos].set(g, mode="drop").reshape(tuple(sizes))
 
 
 # ---- flat indexing ---------------------------------------------------------

@@ -85,21 +85,35 @@ def constant_pad_nd(x, pad, value=0):
     return lax.pad(x, jnp.asarray(value).astype(x.dtype), config)
 
 
-def _pad_mode(mode, nd):
+def _replicate(x, padding, nd):
+    # Edge indices, clipped: negative pads crop, as in PyTorch.
+    for i in range(nd):
+        d = x.ndim - 1 - i
+        lo, hi = padding[2 * i], padding[2 * i + 1]
+        idx = jnp.clip(jnp.arange(x.shape[d] + lo + hi) - lo, 0, x.shape[d] - 1)
+        x = jnp.take(x, idx, axis=d)
+    return x
+
+
+def _reflect(x, padding, nd):
+    width = [(0, 0)] * (x.ndim - nd) + [
+        (padding[2 * i], padding[2 * i + 1]) for i in reversed(range(nd))]
+    return jnp.pad(x, width, mode="reflect")
+
+
+def _pad_mode(pad, nd):
     def fwd(x, padding):
-        width = [(0, 0)] * (x.ndim - nd) + [
-            (padding[2 * i], padding[2 * i + 1]) for i in reversed(range(nd))]
-        return jnp.pad(x, width, mode=mode)
+        return pad(x, padding, nd)
 
     def bwd(grad, x, padding):
-        _, vjp = jax.vjp(lambda v: fwd(v, padding), x)
+        _, vjp = jax.vjp(lambda v: pad(v, padding, nd), x)
         return vjp(grad.astype(x.dtype))[0]
     return fwd, bwd
 
 
 for _nd in (1, 2, 3):
-    for _name, _mode in (("reflection", "reflect"), ("replication", "edge")):
-        _fwd, _bwd = _pad_mode(_mode, _nd)
+    for _name, _pad in (("reflection", _reflect), ("replication", _replicate)):
+        _fwd, _bwd = _pad_mode(_pad, _nd)
         lower(getattr(aten, f"{_name}_pad{_nd}d").default)(_fwd)
         lower(getattr(aten, f"{_name}_pad{_nd}d_backward").default)(_bwd)
 
@@ -123,6 +137,43 @@ def diag_embed(x, offset=0, dim1=-2, dim2=-1):
     out = jnp.zeros(x.shape[:-1] + (m, m), x.dtype).at[..., rows, cols].set(x)
     nd = x.ndim + 1
     return jnp.moveaxis(out, (-2, -1), (_dim(dim1, nd), _dim(dim2, nd)))
+
+
+# ---- scatters into views (functionalized writes through a view) -----------
+
+@lower(aten.slice_scatter.default)
+def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    dim = _dim(dim, x.ndim)
+    index = [slice(None)] * x.ndim
+    index[dim] = slice(start, end, step)
+    return x.at[tuple(index)].set(src.astype(x.dtype))
+
+
+@lower(aten.select_scatter.default)
+def select_scatter(x, src, dim, index):
+    dim = _dim(dim, x.ndim)
+    where = [slice(None)] * x.ndim
+    where[dim] = index % x.shape[dim]
+    return x.at[tuple(where)].set(src.astype(x.dtype))
+
+
+@lower(aten.diagonal_scatter.default)
+def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    dim1, dim2 = _dim(dim1, x.ndim), _dim(dim2, x.ndim)
+    n = src.shape[-1]
+    i = jnp.arange(n)
+    rows, cols = i + max(-offset, 0), i + max(offset, 0)
+    moved = jnp.moveaxis(x, (dim1, dim2), (-2, -1))
+    moved = moved.at[..., rows, cols].set(src.astype(x.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (dim1, dim2))
+
+
+@lower(aten.as_strided_scatter.default)
+def as_strided_scatter(x, src, size, stride, storage_offset=None):
+    # x's elements in order stand for the storage the strides refer to.
+    from ..tensor import write_view
+    view = (tuple(size), tuple(stride), storage_offset or 0)
+    return write_view(x, view, src)
 
 
 # ---- dtype reinterpretation -------------------------------------------------
