@@ -83,8 +83,7 @@ class _Graph:
 
     def __init__(self):
         self.nodes = []       # (kernel, refs)
-        self.key = []         # per node: (id(kernel), refs)
-        self.outputs = []     # per node: list of Pending
+        self.outputs = []     # every Pending the nodes produce
         self.inputs = []      # concrete arrays fed to the graph
         self.input_ids = {}   # id(array) -> index in inputs
         self.scalars = []     # dynamic scalars fed to the graph
@@ -114,11 +113,8 @@ class FusedExecutor(StrictExecutor):
         g = self._graph
         n_storages = len(call.storages)
         refs = []
-        for i, x in enumerate(flat):
-            if i >= n_storages:
-                refs.append(("s", len(g.scalars)))
-                g.scalars.append(x)
-            elif type(x) is Pending:
+        for x in flat[:n_storages]:
+            if type(x) is Pending:
                 refs.append(x.ref)
             else:
                 idx = g.input_ids.get(id(x))
@@ -126,15 +122,17 @@ class FusedExecutor(StrictExecutor):
                     idx = g.input_ids[id(x)] = len(g.inputs)
                     g.inputs.append(x)
                 refs.append(("a", idx))
-        refs = tuple(refs)
-        outs_aval, written_aval = _abstract(kernel, flat)
+        for x in flat[n_storages:]:
+            refs.append(("s", len(g.scalars)))
+            g.scalars.append(x)
         ni = len(g.nodes)
+        outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
         outs = [Pending(a.shape, a.dtype, ("p", ni, j)) for j, a in enumerate(outs_aval)]
         k = len(outs)
         written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
-        g.nodes.append((kernel, refs))
-        g.key.append((id(kernel), refs))
-        g.outputs.append(outs + written)
+        g.nodes.append((kernel, tuple(refs)))
+        g.outputs.extend(outs)
+        g.outputs.extend(written)
         return outs, written
 
     # -- reading -----------------------------------------------------------
@@ -166,19 +164,18 @@ class FusedExecutor(StrictExecutor):
             return
         self._graph = _Graph()
         live = []
-        for outs in g.outputs:
-            for p in outs:
-                owner = p.owner() if p.owner is not None else None
-                if owner is not None and owner.array is p:
-                    live.append((p, owner))
+        for p in g.outputs:
+            owner = p.owner() if p.owner is not None else None
+            if owner is not None and owner.array is p:
+                live.append((p, owner))
         live_refs = tuple(p.ref for p, _ in live)
-        key = ("fused", tuple(g.key), live_refs)
+        # Kernels stand for their ops (the entry holds them, so ids stay theirs).
+        key = ("fused", tuple([(id(k), refs) for k, refs in g.nodes]), live_refs)
         entry = cache.lookup(key)
         hit = entry is not None
         if hit:
             STATS.graph_cache_hits += 1
         else:
-            # The entry holds the kernels: their ids in the key stay theirs.
             entry = cache.store(key, (_build_graph(g.nodes, live_refs), [k for k, _ in g.nodes]))
             STATS.graphs_compiled += 1
         site = _user_line()
