@@ -50,8 +50,9 @@ def enable(on=True):
 
 
 def note_fallback(op):
-    """An op ran on CPU for the first time (called once per op name)."""
-    S.fallback_lines.setdefault(op, errors.user_line(sys._getframe(1)))
+    """An op ran on CPU (the stack walk only for its first time)."""
+    if op not in S.fallback_lines:
+        S.fallback_lines[op] = errors.user_line(sys._getframe(1))
 
 
 def note_new_kernel(op):

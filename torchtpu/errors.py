@@ -35,9 +35,12 @@ except ImportError:  # pragma: no cover
     _JAX = (_dir(jax),)
 _SKIP = (_dir(torch), os.path.dirname(os.path.abspath(__file__)) + os.sep) + _JAX
 _OPS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops") + os.sep
+_DISPATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch.py")
 _TRACER_ERRORS = tuple(getattr(jax.errors, n) for n in (
     "ConcretizationTypeError", "TracerBoolConversionError",
     "TracerIntegerConversionError", "TracerArrayConversionError") if hasattr(jax.errors, n))
+_RUNTIME_ERRORS = tuple(getattr(jax.errors, n) for n in ("JaxRuntimeError",)
+                        if hasattr(jax.errors, n))
 _PYTORCH_TYPES = (IndexError, TypeError, ValueError, NotImplementedError)
 
 
@@ -95,7 +98,11 @@ def describe_call(func, args=(), kwargs=None):
 
 def _first_line(e):
     text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
+    lines = text.splitlines() or [type(e).__name__]
+    line = lines[0]
+    if "Traceback (most recent call last)" in line and len(lines) > 1:
+        # A host callback's error: its last line says what went wrong.
+        line = line.split("Traceback (most recent call last)")[0] + lines[-1].strip()
     return line if len(line) <= 300 else line[:297] + "..."
 
 
@@ -113,8 +120,8 @@ def _origin(tb):
     flush = None
     for frame in _frames(tb):
         name = frame.f_code.co_filename
-        if name.startswith(_OPS_DIR):
-            in_lowering = True
+        if name.startswith(_OPS_DIR) or (name == _DISPATCH and frame.f_code.co_name == "fn"):
+            in_lowering = True  # inside a lowering, or the kernel tracing it
         elif name.startswith(_JAX):
             in_jax = True
         if frame.f_code.co_name == "flush" and name.endswith(os.path.join("modes", "fused.py")):
@@ -137,7 +144,9 @@ def _fused_graph_ops(flush_frame):
 
 def _translate(e, func, args, kwargs):
     in_jax, in_lowering, flush = _origin(e.__traceback__)
-    if not (in_jax or in_lowering):
+    # JAX's C++ fast path raises runtime errors without any JAX frame.
+    on_device = isinstance(e, _RUNTIME_ERRORS)
+    if not (in_jax or in_lowering or on_device):
         return e  # PyTorch's own check, or torchtpu's deliberate error
     call = describe_call(func, args, kwargs)
     what = f"{type(e).__name__}: {_first_line(e)}"
@@ -145,12 +154,12 @@ def _translate(e, func, args, kwargs):
         names, reason = _fused_graph_ops(flush)
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         msg = (f"torchtpu: a fused graph of {len(names)} ops ({shown}) failed at a sync "
-               f"point ({reason}) reached by {call}: {what}")
+               f"point ({reason}): {what}")
         return RuntimeError(msg)
     if isinstance(e, _TRACER_ERRORS):
         return RuntimeError(f"torchtpu: {call}: its tpu lowering depends on tensor values, "
                             f"which are not known while tracing (a torchtpu bug): {what}")
-    if isinstance(e, jax.errors.JaxRuntimeError) if hasattr(jax.errors, "JaxRuntimeError") else False:
+    if on_device:
         return RuntimeError(f"torchtpu: {call} failed on the device: {what}")
     cls = next((c for c in _PYTORCH_TYPES if isinstance(e, c)), RuntimeError)
     return cls(f"torchtpu: {call} failed in its tpu lowering (a torchtpu bug; "
