@@ -505,9 +505,9 @@ def cpu_fallback(plan, args, kwargs):
     """Run the op on CPU: copy in, run, copy results (and written args) back."""
     name = plan.name
     metrics.M.cpu_fallbacks[name] += 1
+    advisor.note_fallback(name)
     if name not in _warned_fallback:
         _warned_fallback.add(name)
-        advisor.note_fallback(name)
         warnings.warn(f"torchtpu: {name} has no tpu lowering; running it on CPU "
                       "(counted in torchtpu.metrics cpu_fallbacks)", stacklevel=4)
     modes.note_sync("cpu_fallback")
