@@ -19,7 +19,7 @@ from torch._decomp import decomposition_table
 from . import advisor, cache, errors, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
-from .tensor import Storage, TpuTensor, read_view, write_view
+from .tensor import Storage, TpuTensor, _is_contiguous, read_view, write_view
 
 aten = torch.ops.aten
 
@@ -226,6 +226,15 @@ def _materialize(spec, arrays, scalars):
     return list(value) if isinstance(value, tuple) else value
 
 
+def _spec_contiguous(spec):
+    """Whether a positional tensor argument is contiguous in PyTorch's sense
+    (part of the kernel key, so a lowering may depend on it)."""
+    if spec[0] != "t":
+        return None
+    view = spec[4]
+    return view is None or _is_contiguous(view[0], view[1])
+
+
 def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
     lowering = plan.lowering
     out_dtypes = None
@@ -252,6 +261,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
         if plan.random:
             kwargs["key"] = rng.key_from(next(scalars), next(scalars))
         ctx.out = out_meta[0] if out_meta is not None else None
+        ctx.contiguous = [_spec_contiguous(s) for s in pos_specs]
         result = lowering(*args, **kwargs)
         leaves = []
         template = _flatten(result, leaves)

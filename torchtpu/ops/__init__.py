@@ -41,8 +41,12 @@ def lower(*ops, random=False):
 
 class TraceContext:
     """What the op being traced returns, per PyTorch's meta kernel: a list of
-    (shape, torch dtype) for its tensor outputs, or None if unknown."""
+    (shape, torch dtype) for its tensor outputs, or None if unknown.
+    contiguous: per positional argument, whether that tensor is contiguous
+    (None for non-tensors); some CPU kernels pick their algorithm by it and
+    their backward formulas rely on that choice (linalg's LU of A^T)."""
     out = None
+    contiguous = ()
 
 
 ctx = TraceContext()

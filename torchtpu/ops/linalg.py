@@ -1,1 +1,324 @@
-"""linalg lowerings."""
+"""Matrix products and dense linear algebra.
+
+Float matmuls run at full precision (Precision.HIGHEST) so results match
+PyTorch on CPU; integer products accumulate exactly in int64; bf16/f16
+accumulate in float32.
+"""
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
+import torch
+from jax import lax
+
+from . import ctx, lower
+from .util import ctx_dtype
+
+aten = torch.ops.aten
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _acc(dtype):
+    """The dtype a product of this dtype accumulates in."""
+    dtype = jnp.dtype(dtype)
+    if dtype in (jnp.bfloat16, jnp.float16):
+        return jnp.dtype(jnp.float32)
+    if dtype.kind in "iub":
+        return jnp.dtype(jnp.int64)
+    return dtype
+
+
+def _matmul(a, b, out_dtype=None):
+    out_dtype = out_dtype or ctx_dtype()
+    acc = _acc(a.dtype)
+    if acc.kind == "i":
+        a, b = a.astype(acc), b.astype(acc)
+    r = jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=acc)
+    return r.astype(out_dtype)
+
+
+def _scaled(x, s):
+    """s * x where s is a Scalar argument (a Python default or traced)."""
+    if isinstance(s, (int, float)) and s == 1:
+        return x
+    return x * jnp.asarray(s).astype(x.dtype) if x.dtype != jnp.bool_ else jnp.logical_and(x, s)
+
+
+def _add_beta(self, prod, beta, alpha):
+    """beta * self + alpha * prod; beta == 0 ignores self (NaN included), as on CPU."""
+    dtype = ctx_dtype()
+    prod = _scaled(prod.astype(dtype), alpha)
+    self = jnp.broadcast_to(self.astype(dtype), prod.shape)
+    if isinstance(beta, (int, float)):
+        if beta == 0:
+            return prod
+        term = _scaled(self, beta)
+    else:
+        term = jnp.where(beta == 0, jnp.zeros_like(self), _scaled(self, beta))
+    if dtype == jnp.bool_:
+        return jnp.logical_or(term, prod)
+    return term + prod
+
+
+@lower(aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default,
+       aten._int_mm.default)
+def mm(a, b):
+    return _matmul(a, b)
+
+
+@lower(aten.mm.dtype, aten.bmm.dtype)
+def mm_dtype(a, b, out_dtype):
+    return _matmul(a, b)
+
+
+@lower(aten.vdot.default)
+def vdot(a, b):
+    return _matmul(jnp.conj(a), b)
+
+
+@lower(aten.addmm.default, aten.baddbmm.default, aten.addmv.default)
+def addmm(self, m1, m2, *, beta=1, alpha=1):
+    return _add_beta(self, _matmul(m1, m2, _acc(m1.dtype)), beta, alpha)
+
+
+@lower(aten.addmm.dtype, aten.baddbmm.dtype)
+def addmm_dtype(self, m1, m2, out_dtype, *, beta=1, alpha=1):
+    return _add_beta(self, _matmul(m1, m2, _acc(m1.dtype)), beta, alpha)
+
+
+@lower(aten.addbmm.default)
+def addbmm(self, b1, b2, *, beta=1, alpha=1):
+    prod = _matmul(b1, b2, _acc(b1.dtype)).sum(0)
+    return _add_beta(self, prod, beta, alpha)
+
+
+@lower(aten.addr.default)
+def addr(self, v1, v2, *, beta=1, alpha=1):
+    acc = _acc(v1.dtype)
+    prod = v1.astype(acc)[:, None] * v2.astype(acc)[None, :]
+    return _add_beta(self, prod, beta, alpha)
+
+
+# ---- factorizations ---------------------------------------------------------
+
+def _mT(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _lu(a):
+    """(LU, 1-based int32 pivots) as LAPACK's getrf returns them."""
+    lu, piv, _ = lax.linalg.lu(a)
+    return lu, (piv + 1).astype(jnp.int32)
+
+
+def _perm_sign(piv):
+    """Sign of the row permutation described by 1-based pivots."""
+    k = piv.shape[-1]
+    swaps = jnp.sum(piv != jnp.arange(1, k + 1, dtype=piv.dtype), axis=-1)
+    return jnp.where(swaps % 2 == 0, 1, -1)
+
+
+def _diag(x):
+    return jnp.diagonal(x, axis1=-2, axis2=-1)
+
+
+def _info(*arrays):
+    """0 where every result is finite, else 1 (per batch element)."""
+    bad = None
+    for a in arrays:
+        b = jnp.any(~jnp.isfinite(a), axis=(-2, -1)) if a.ndim >= 2 else ~jnp.isfinite(a)
+        bad = b if bad is None else bad | b
+    return bad.astype(jnp.int32)
+
+
+def _lu_like_cpu(a):
+    """LU of A, or of A^T when A is contiguous and real: PyTorch's CPU kernels
+    factor A^T then (it is what LAPACK wants), and the backward formulas of
+    det and slogdet read the saved LU with that in mind."""
+    use_t = bool(ctx.contiguous and ctx.contiguous[0]) and not jnp.iscomplexobj(a)
+    lu, piv = _lu(_mT(a) if use_t else a)
+    return lu, piv, use_t
+
+
+@lower(aten._linalg_det.default)
+def linalg_det(a):
+    lu, piv, _ = _lu_like_cpu(a)
+    d = jnp.prod(_diag(lu), axis=-1) * _perm_sign(piv).astype(lu.dtype)
+    return d, lu, piv
+
+
+@lower(aten._linalg_slogdet.default)
+def linalg_slogdet(a):
+    lu, piv, _ = _lu_like_cpu(a)
+    diag = _diag(lu)
+    absd = jnp.abs(diag)
+    if jnp.iscomplexobj(lu):
+        sign = jnp.prod(diag / absd, axis=-1) * _perm_sign(piv)
+    else:
+        sign = jnp.prod(jnp.sign(diag), axis=-1) * _perm_sign(piv).astype(lu.dtype)
+    return sign, jnp.sum(jnp.log(absd), axis=-1), lu, piv
+
+
+@lower(aten.linalg_lu_factor_ex.default)
+def linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
+    lu, piv = _lu(a)
+    # info > 0: U is singular (a zero on the diagonal), as LAPACK reports.
+    zero = _diag(lu) == 0
+    first = jnp.argmax(zero, axis=-1) + 1
+    info = jnp.where(jnp.any(zero, axis=-1), first, 0).astype(jnp.int32)
+    return lu, piv, info
+
+
+def _permutation_matrix(piv, m, dtype):
+    """P with A = P @ L @ U from 1-based LAPACK pivots over m rows."""
+    perm = lax.linalg.lu_pivots_to_permutation(piv - 1, m)
+    # Row i of P @ L @ U is row perm^-1 ... : P[perm[j], j] = 1.
+    return jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=dtype), -1, -2)
+
+
+@lower(aten.linalg_lu.default)
+def linalg_lu(a, *, pivot=True):
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    lu, piv = _lu(a)
+    L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    U = jnp.triu(lu[..., :k, :])
+    return _permutation_matrix(piv, m, a.dtype), L, U
+
+
+@lower(aten.lu_unpack.default)
+def lu_unpack(lu, piv, unpack_data=True, unpack_pivots=True):
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    P = _permutation_matrix(piv, m, lu.dtype) if unpack_pivots else None
+    if unpack_data:
+        L = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+        U = jnp.triu(lu[..., :k, :])
+    else:
+        L = U = None
+    outs = ctx.out
+    empty = lambda i: jnp.zeros(tuple(outs[i].shape), lu.dtype)  # noqa: E731
+    return (P if P is not None else empty(0), L if L is not None else empty(1),
+            U if U is not None else empty(2))
+
+
+def _lu_solve(lu, piv, b, adjoint=False):
+    return jsl.lu_solve((lu, piv - 1), b, trans=2 if adjoint else 0)
+
+
+def _broadcast_batch(a, b):
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return (jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:]))
+
+
+def _vector_rhs(a, b):
+    """torch.linalg.solve's rule: B is a (batch of) vector(s) when it has one
+    dim, or one dim fewer than A with matching batch dims."""
+    return b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+
+
+@lower(aten.linalg_lu_solve.default)
+def linalg_lu_solve(lu, piv, b, *, left=True, adjoint=False):
+    if not left:
+        # X A = B  <=>  A^H X^H = B^H
+        x = linalg_lu_solve(lu, piv, jnp.conj(_mT(b)), left=True, adjoint=not adjoint)
+        return jnp.conj(_mT(x))
+    lu_b, b_b = _broadcast_batch(lu, b)
+    piv_b = jnp.broadcast_to(piv, lu_b.shape[:-2] + piv.shape[-1:])
+    return _lu_solve(lu_b, piv_b, b_b, adjoint)
+
+
+@lower(aten._linalg_solve_ex.default)
+def linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    # Unlike det, PyTorch's solve factors A itself (its backward relies on it).
+    lu, piv = _lu(a)
+    vec = _vector_rhs(a, b)
+    bm = (b[..., None] if left else b[..., None, :]) if vec else b
+    x = linalg_lu_solve(lu, piv, bm, left=left)
+    if vec:
+        x = x[..., 0] if left else x[..., 0, :]
+    info = jnp.zeros(lu.shape[:-2], jnp.int32)
+    return x, lu, piv, info
+
+
+@lower(aten.linalg_inv_ex.default)
+def linalg_inv_ex(a, *, check_errors=False):
+    inv = jnp.linalg.inv(a)
+    return inv, _info(inv)
+
+
+@lower(aten.linalg_cholesky_ex.default)
+def linalg_cholesky_ex(a, *, upper=False, check_errors=False):
+    L = lax.linalg.cholesky(a, symmetrize_input=False)
+    # LAPACK's info: the order of the first non-positive leading minor.
+    bad = ~jnp.isfinite(_diag(L))
+    info = jnp.where(jnp.any(bad, axis=-1), jnp.argmax(bad, axis=-1) + 1, 0).astype(jnp.int32)
+    return (jnp.conj(_mT(L)) if upper else L), info
+
+
+@lower(aten.cholesky.default)
+def cholesky(a, upper=False):
+    L = lax.linalg.cholesky(a, symmetrize_input=False)
+    return jnp.conj(_mT(L)) if upper else L
+
+
+@lower(aten.cholesky_solve.default)
+def cholesky_solve(b, L, upper=False):
+    L, b = _broadcast_batch(L, b)
+    if upper:
+        L = jnp.conj(_mT(L))
+    y = lax.linalg.triangular_solve(L, b, left_side=True, lower=True)
+    return lax.linalg.triangular_solve(L, y, left_side=True, lower=True, transpose_a=True,
+                                       conjugate_a=True)
+
+
+@lower(aten.cholesky_inverse.default)
+def cholesky_inverse(L, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(L.shape[-1], dtype=L.dtype), L.shape)
+    return cholesky_solve(eye, L, upper)
+
+
+@lower(aten.linalg_qr.default)
+def linalg_qr(a, mode="reduced"):
+    if mode == "r":
+        r = jnp.linalg.qr(a, mode="r")
+        return jnp.zeros((0,), a.dtype), r
+    q, r = jnp.linalg.qr(a, mode="complete" if mode == "complete" else "reduced")
+    return q, r
+
+
+@lower(aten._linalg_svd.default)
+def linalg_svd(a, full_matrices=False, compute_uv=True, *, driver=None):
+    if not compute_uv:
+        s = jnp.linalg.svd(a, compute_uv=False)
+        return jnp.zeros((0,), a.dtype), s, jnp.zeros((0,), a.dtype)
+    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
+    return u, s, vh
+
+
+@lower(aten._linalg_eigh.default)
+def linalg_eigh(a, UPLO="L", compute_v=True):
+    w, v = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    if not compute_v:
+        return w, jnp.zeros((0,), a.dtype)
+    return w, v
+
+
+@lower(aten.triangular_solve.default)
+def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    a_b, b_b = _broadcast_batch(a, b)
+    x = lax.linalg.triangular_solve(a_b, b_b, left_side=True, lower=not upper,
+                                    transpose_a=transpose, unit_diagonal=unitriangular)
+    return x, a_b
+
+
+@lower(aten.linalg_solve_triangular.default)
+def linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    a_b, b_b = _broadcast_batch(a, b)
+    return lax.linalg.triangular_solve(a_b, b_b, left_side=left, lower=not upper,
+                                       unit_diagonal=unitriangular)
+
+
+@lower(aten.linalg_matrix_exp.default)
+def linalg_matrix_exp(a):
+    return jsl.expm(a) if a.ndim == 2 else jax.vmap(jsl.expm)(a.reshape((-1,) + a.shape[-2:])
+                                                             ).reshape(a.shape)

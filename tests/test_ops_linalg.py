@@ -1,0 +1,184 @@
+"""Matrix products and linear algebra on tpu vs CPU, forward and backward,
+with no CPU fallback."""
+import pytest
+import torch
+
+import torchtpu
+from conftest import assert_same, to_cpu
+
+DEV = "tpu"
+
+
+def compare(fn, *args, grad=True, atol=None, rtol=None, **kw):
+    """fn on CPU and tpu: outputs and (for float inputs) input gradients of
+    the sum of all outputs; asserts nothing ran on the CPU fallback."""
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    cpu = [a.detach().clone().requires_grad_(grad and a.is_floating_point())
+           if isinstance(a, torch.Tensor) else a for a in args]
+    dev = [a.detach().to(DEV).requires_grad_(grad and a.is_floating_point())
+           if isinstance(a, torch.Tensor) else a for a in args]
+    out_c, out_d = fn(*cpu), fn(*dev)
+    tol = {} if atol is None else {"atol": atol, "rtol": rtol}
+    assert_same(out_d, out_c, **tol)
+    outs_c = out_c if isinstance(out_c, (tuple, list)) else [out_c]
+    outs_d = out_d if isinstance(out_d, (tuple, list)) else [out_d]
+    diff = [(c, d) for c, d in zip(outs_c, outs_d)
+            if isinstance(c, torch.Tensor) and c.requires_grad]
+    if diff:
+        sum(c.sum() for c, _ in diff).backward()
+        sum(d.sum() for _, d in diff).backward()
+        for c, d in zip(cpu, dev):
+            if isinstance(c, torch.Tensor) and c.requires_grad:
+                assert_same(d.grad, c.grad, **tol)
+    after = dict(torchtpu.metrics.M.cpu_fallbacks)
+    # Raising on bad input needs the info value on the host: that check alone
+    # runs on CPU, by design.
+    after.pop("aten._linalg_check_errors.default", None)
+    before.pop("aten._linalg_check_errors.default", None)
+    assert after == before, "ran on the CPU fallback"
+    return out_d
+
+
+def r(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def spd(n, batch=()):
+    a = torch.randn(*batch, n, n, dtype=torch.float64)
+    return a @ a.mT + n * torch.eye(n, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_products(dtype):
+    compare(torch.mm, r(3, 4, dtype=dtype), r(4, 5, dtype=dtype))
+    compare(torch.bmm, r(2, 3, 4, dtype=dtype), r(2, 4, 5, dtype=dtype))
+    compare(torch.mv, r(3, 4, dtype=dtype), r(4, dtype=dtype))
+    compare(torch.dot, r(7, dtype=dtype), r(7, dtype=dtype))
+    compare(torch.matmul, r(2, 3, 4, dtype=dtype), r(4, dtype=dtype))
+    compare(torch.matmul, r(2, 1, 3, 4, dtype=dtype), r(3, 4, 2, dtype=dtype))
+    compare(torch.outer, r(3, dtype=dtype), r(4, dtype=dtype))
+    compare(lambda s, a, b: torch.addmm(s, a, b, beta=0.5, alpha=2), r(3, 5, dtype=dtype),
+            r(3, 4, dtype=dtype), r(4, 5, dtype=dtype))
+    compare(torch.addmm, r(5, dtype=dtype), r(3, 4, dtype=dtype), r(4, 5, dtype=dtype))
+    compare(lambda s, a, b: torch.baddbmm(s, a, b, alpha=-1), r(2, 3, 5, dtype=dtype),
+            r(2, 3, 4, dtype=dtype), r(2, 4, 5, dtype=dtype))
+    compare(lambda s, a, b: torch.addbmm(s, a, b, beta=2), r(3, 5, dtype=dtype),
+            r(2, 3, 4, dtype=dtype), r(2, 4, 5, dtype=dtype))
+    compare(torch.addmv, r(3, dtype=dtype), r(3, 4, dtype=dtype), r(4, dtype=dtype))
+    compare(lambda s, a, b: torch.addr(s, a, b, alpha=3), r(3, 4, dtype=dtype),
+            r(3, dtype=dtype), r(4, dtype=dtype))
+
+
+def test_full_precision_float32():
+    # Large-ish inner dimension: reduced precision (bf16 passes) would be off by ~1e-2.
+    # The float64 product is the reference: summation order may differ from
+    # CPU's by a few ulps, bf16 passes would be off by ~1e-1.
+    a, b = r(16, 512), r(512, 16)
+    out = (a.to(DEV) @ b.to(DEV)).cpu()
+    ref = (a.double() @ b.double()).float()
+    torch.testing.assert_close(a @ b, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+
+
+def test_addmm_beta_zero_ignores_nan():
+    s = torch.full((3, 5), float("nan"))
+    compare(lambda s, a, b: torch.addmm(s, a, b, beta=0), s, r(3, 4), r(4, 5), grad=False)
+
+
+def test_int_and_low_precision():
+    a = torch.randint(-100, 100, (4, 6))
+    b = torch.randint(-100, 100, (6, 3))
+    out = compare(torch.mm, a, b)
+    assert out.dtype == torch.int64
+    big = torch.full((2, 2), 2 ** 40)
+    compare(torch.mm, big, torch.eye(2, dtype=torch.int64))
+    a16, b16 = r(8, 64, dtype=torch.bfloat16), r(64, 8, dtype=torch.bfloat16)
+    out = (a16.to(DEV) @ b16.to(DEV))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu(), a16 @ b16)
+
+
+def test_complex_vdot():
+    a = torch.randn(5, dtype=torch.complex128)
+    b = torch.randn(5, dtype=torch.complex128)
+    compare(torch.vdot, a, b, grad=False)
+    compare(torch.mm, torch.randn(2, 3, dtype=torch.complex64),
+            torch.randn(3, 2, dtype=torch.complex64), grad=False)
+
+
+def test_det_slogdet_inv():
+    a = r(3, 4, 4, dtype=torch.float64)
+    compare(torch.linalg.det, a)
+    compare(torch.linalg.slogdet, a)
+    compare(torch.linalg.inv, a)
+    compare(torch.logdet, spd(4))
+    compare(lambda x: torch.linalg.inv_ex(x).inverse, r(4, 4))
+
+
+def test_solve_and_lu():
+    a = r(2, 4, 4, dtype=torch.float64)
+    compare(torch.linalg.solve, a, r(2, 4, 3, dtype=torch.float64))
+    compare(torch.linalg.solve, a, r(2, 4, dtype=torch.float64))
+    compare(torch.linalg.solve, a[0], r(4, dtype=torch.float64))
+    compare(lambda x, y: torch.linalg.solve(x, y, left=False), a, r(2, 3, 4, dtype=torch.float64))
+    compare(torch.linalg.lu_factor, a)
+    compare(torch.linalg.lu, r(5, 3, dtype=torch.float64))
+    compare(torch.linalg.lu, r(3, 5, dtype=torch.float64))
+    LU, piv = torch.linalg.lu_factor(a)
+    compare(lambda lu, b: torch.linalg.lu_solve(lu, piv.to(lu.device), b), LU,
+            r(2, 4, 2, dtype=torch.float64))
+    compare(lambda lu, b: torch.linalg.lu_solve(lu, piv.to(lu.device), b, adjoint=True),
+            LU, r(2, 4, 2, dtype=torch.float64))
+    compare(lambda lu: torch.lu_unpack(lu, piv.to(lu.device)), LU)
+
+
+def test_cholesky_family():
+    a = spd(4, (2,))
+    compare(torch.linalg.cholesky, a)
+    compare(lambda x: torch.linalg.cholesky(x, upper=True), a)
+    L = torch.linalg.cholesky(a)
+    compare(torch.cholesky_solve, r(2, 4, 3, dtype=torch.float64), L)
+    compare(lambda b, u: torch.cholesky_solve(b, u, upper=True), r(2, 4, 3, dtype=torch.float64),
+            L.mT.contiguous())
+    compare(torch.cholesky_inverse, L[0])
+    info = torch.linalg.cholesky_ex(-torch.eye(3).to(DEV)).info
+    assert info.item() == 1
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(-torch.eye(3).to(DEV))
+
+
+def test_decompositions():
+    a = r(5, 3, dtype=torch.float64)
+    q, rr = torch.linalg.qr(a.to(DEV))
+    qc, rc = torch.linalg.qr(a)
+    torch.testing.assert_close(q.cpu().abs(), qc.abs())
+    torch.testing.assert_close((q @ rr).cpu(), a)
+    torch.testing.assert_close(torch.linalg.qr(a.to(DEV), mode="r").R.cpu().abs(), rc.abs())
+    assert torch.linalg.qr(a.to(DEV), mode="complete").Q.shape == (5, 5)
+    compare(torch.linalg.svdvals, a)
+    u, s, vh = torch.linalg.svd(a.to(DEV), full_matrices=False)
+    torch.testing.assert_close((u * s[None]) @ vh, a.to(DEV))
+    h = spd(4)
+    compare(torch.linalg.eigvalsh, h)
+    w, v = torch.linalg.eigh(h.to(DEV))
+    torch.testing.assert_close(((v * w[None]) @ v.mT).cpu(), h)
+    # Gradients of the invariant parts agree.
+    compare(lambda x: torch.linalg.eigh(x).eigenvalues, h)
+    compare(lambda x: torch.linalg.svd(x, full_matrices=False).S, a)
+
+
+def test_triangular():
+    a = torch.triu(r(4, 4, dtype=torch.float64)) + 4 * torch.eye(4, dtype=torch.float64)
+    b = r(2, 4, 3, dtype=torch.float64)
+    compare(lambda x, y: torch.linalg.solve_triangular(x, y, upper=True), a, b)
+    compare(lambda x, y: torch.linalg.solve_triangular(x, y, upper=True, left=False),
+            a, r(3, 4, dtype=torch.float64))
+    compare(lambda x, y: torch.linalg.solve_triangular(x.mT, y, upper=False, unitriangular=True),
+            a, b)
+    compare(lambda y, x: torch.triangular_solve(y, x, upper=True, transpose=True), b, a)
+
+
+def test_matrix_exp_cross_norm():
+    compare(torch.linalg.matrix_exp, r(2, 3, 3, dtype=torch.float64) * 0.3)
+    compare(torch.linalg.cross, r(4, 3), r(4, 3))
+    compare(torch.linalg.vector_norm, r(4, 3))
