@@ -1,0 +1,119 @@
+"""torchtpu benchmarks (`make bench`).
+
+Each benchmark is a function returning a list of rows (dicts); main() runs the
+ones asked for, prints their tables and writes them into docs/performance.md
+between the markers named after the benchmark. Add a benchmark by writing a
+function and listing it in BENCHMARKS.
+
+    python benchmarks/run.py                 # all
+    python benchmarks/run.py per_op          # some
+    python benchmarks/run.py --no-write      # print only
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import torchtpu  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(ROOT, "docs", "performance.md")
+
+
+def timings(fn, repeats, warmup=1):
+    """(median, best) wall seconds of fn() over repeats, after warmup calls.
+    The best shows the cost without interference from other processes."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times)
+
+
+# ---- benchmarks -------------------------------------------------------------
+
+def per_op(n_ops=1000, size=128, repeats=9):
+    """Per-op cost of `c = c + y` on size x size float32: n_ops ops, then one sync."""
+    rows = []
+    y_cpu = torch.randn(size, size)
+
+    def loop(y, sync):
+        def run():
+            c = torch.zeros_like(y)
+            for _ in range(n_ops):
+                c = c + y
+            sync(c)
+        return run
+
+    def row(name, fn):
+        median, best = timings(fn, repeats)
+        return {"mode": name, "median": median / n_ops * 1e6, "best": best / n_ops * 1e6}
+
+    rows.append(row("PyTorch CPU eager", loop(y_cpu, lambda c: None)))
+    y = y_cpu.to("tpu")
+    for mode in ("strict", "debug"):
+        with torchtpu.eager_mode(mode):
+            rows.append(row(f"torchtpu {mode}", loop(y, lambda c: torchtpu.sync())))
+    return rows
+
+
+per_op.title = "Per-op dispatch cost: `c = c + y`, 128x128 float32, 1000 ops then one sync"
+per_op.columns = [("mode", "mode", "{}"), ("median", "µs per op (median)", "{:.1f}"),
+                  ("best", "µs per op (best)", "{:.1f}")]
+
+
+BENCHMARKS = {"per_op": per_op}
+
+
+# ---- output -------------------------------------------------------------------
+
+def table(bench, rows):
+    head = [title for _, title, _ in bench.columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in bench.columns) + " |")
+    return "\n".join(lines)
+
+
+def write_section(name, text):
+    """Replace the text between <!-- bench:name --> and <!-- /bench:name --> in the doc."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    doc = open(DOC).read() if os.path.exists(DOC) else "# Performance\n"
+    block = f"{start}\n{text}\n{end}"
+    if start in doc and end in doc:
+        doc = doc[:doc.index(start)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    with open(DOC, "w") as f:
+        f.write(doc)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (of {', '.join(BENCHMARKS)})")
+    parser.add_argument("--no-write", action="store_true", help=f"do not update {DOC}")
+    args = parser.parse_args(argv)
+    names = args.names or list(BENCHMARKS)
+    for name in names:
+        bench = BENCHMARKS[name]
+        rows = bench()
+        text = table(bench, rows)
+        load = os.getloadavg()[0]
+        stamp = (f"_Measured {time.strftime('%Y-%m-%d')} by `make bench` on JAX "
+                 f"{torchtpu.runtime.PLATFORM} ({os.cpu_count()} host cores, load average "
+                 f"{load:.1f} at the end), torch {torch.__version__}._")
+        print(f"\n{bench.title}\n\n{text}\n")
+        if not args.no_write:
+            write_section(name, f"{stamp}\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
