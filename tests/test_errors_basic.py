@@ -60,17 +60,16 @@ def test_cpu_index_tensor_allowed(mode):
     torch.testing.assert_close(out.cpu(), x[idx])
 
 
-@pytest.mark.skip(reason="missing: a bounds check for tensor indices (index, index_put, gather, "
-                         "index_select, embedding); the JAX lowerings clamp or fill out-of-range "
-                         "indices instead of raising in debug mode")
 def test_out_of_range_tensor_index(debug_mode):
     x = torch.arange(5.0)
     for fn in (lambda x: x[torch.tensor([1, 10], device=x.device)],
                lambda x: x.gather(0, torch.tensor([7], device=x.device)),
                lambda x: x.index_select(0, torch.tensor([7], device=x.device)),
+               lambda x: x.__setitem__(torch.tensor([9], device=x.device), 1.0),
                lambda x: torch.nn.functional.embedding(torch.tensor([7], device=x.device),
                                                        x.view(5, 1))):
         _raises_like_cpu(fn, x)
+    _raises_like_cpu(lambda x: x[torch.tensor([1, 10])], x)  # CPU index tensor
 
 
 def test_bad_dtype_for_op(mode):
