@@ -268,10 +268,14 @@ class DiskCache(_CacheInterface):
                     value = f.read()
                 with open(check_path, "rb") as f:
                     check = json.loads(f.read())
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        except (OSError, ValueError) as e:
+        except ValueError as e:  # the check file is not JSON
             self._corrupt(key, f"{type(e).__name__}: {e}")
+            return None
+        except OSError as e:
+            _warn_once("read", f"torchtpu: cannot read the compilation cache in {self.dir} "
+                       f"({type(e).__name__}: {e}); compiling instead")
             return None
         if not isinstance(check, dict) or check.get("sha256") != _sha256(value) \
                 or check.get("size") != len(value):
