@@ -12,6 +12,8 @@ is pass, fallback (passes, but some aten op ran on the CPU fallback), fail
   .venv/bin/python scripts/ops_report.py --all --jobs 2 --json /tmp/ops.json \\
       --markdown docs/ops.md --write-expected tests/opinfo_expected.py
   .venv/bin/python scripts/ops_report.py --from-json /tmp/ops.json --markdown docs/ops.md
+  .venv/bin/python scripts/ops_report.py --ops cumsum --all --merge /tmp/ops.json \
+      --json /tmp/ops.json --write-expected tests/opinfo_expected.py
 """
 import argparse
 import collections
@@ -37,13 +39,15 @@ def parse():
     p.add_argument("--grad", action="store_true", help="also compare float32 gradients")
     p.add_argument("--all", action="store_true", help=f"--dtypes {ALL_DTYPES} --grad")
     p.add_argument("--no-extras", action="store_true",
-                   help="skip the non-contiguous, in-place-through-a-view checks")
+                   help="skip the non-contiguous, in-place and out= checks (run for float32 only)")
     p.add_argument("--timeout", type=float, default=120, help="seconds per (op, dtype, kind)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument("--shard", help=argparse.SUPPRESS)  # i/n, used by --jobs
     p.add_argument("--jsonl", help=argparse.SUPPRESS)  # a shard's results, used by --jobs
     p.add_argument("--json", help="write results as JSON")
     p.add_argument("--from-json", help="report on results from an earlier --json instead of running")
+    p.add_argument("--merge", help="results of an earlier --json to update with this run's "
+                   "(re-check a few ops, then regenerate the full report and expected list)")
     p.add_argument("--markdown", help="write the coverage report as markdown (docs/ops.md)")
     p.add_argument("--write-expected", help="write the expected-failure file (tests/opinfo_expected.py)")
     p.add_argument("--fails-only", action="store_true", help="print only failing/fallback rows")
@@ -90,7 +94,7 @@ def run_local(args, jsonl=None):
             with open(jsonl + ".current", "w") as f:
                 json.dump(key, f)
         t0 = time.time()
-        r = check(op, dt, kind, samples=args.samples, extras=not args.no_extras,
+        r = check(op, dt, kind, samples=args.samples, extras=False if args.no_extras else None,
                   timeout=args.timeout)
         d = r.as_dict()
         d["seconds"] = round(time.time() - t0, 2)
@@ -240,6 +244,26 @@ def markdown(results, table, meta):
     return "\n".join(lines)
 
 
+def reason_of(d):
+    """The expected-failure reason: a category, then the error."""
+    err = d["error"]
+    if "process crashed" in err:
+        cat = "crashes the process"
+    elif "timed out" in err:
+        cat = "too slow"
+    elif err.startswith("NotImplementedError"):
+        cat = "not implemented on tpu"
+    elif "dtype" in err and "AssertionError" in err:
+        cat = "result dtype differs from CPU"
+    elif "not close" in err or "not equal" in err or "Mismatch" in err:
+        cat = "values differ from CPU"
+    elif "AssertionError" in err:
+        cat = "result differs from CPU"
+    else:
+        cat = "raises on tpu"
+    return f"{cat}: {err}"
+
+
 def write_expected(results, path):
     fails = sorted((d for d in results if d["status"] == "fail"),
                    key=lambda d: (d["op"], d["dtype"], d["kind"]))
@@ -260,7 +284,7 @@ def write_expected(results, path):
         "EXPECTED_FAILURES = {",
     ]
     for d in fails:
-        out.append(f"    {(d['op'], d['dtype'], d['kind'])!r}:\n        {d['error']!r},")
+        out.append(f"    {(d['op'], d['dtype'], d['kind'])!r}:\n        {reason_of(d)!r},")
     out += ["}", "", "EXPECTED_FALLBACKS = {"]
     for d in falls:
         out.append(f"    {(d['op'], d['dtype'], d['kind'])!r}: {', '.join(d['fallbacks'])!r},")
@@ -284,6 +308,13 @@ def main():
         import torch
         meta = dict(torch=torch.__version__, samples=args.samples, dtypes=args.dtypes,
                     grad=args.grad, seconds=round(time.time() - t0, 1))
+    if args.merge and not args.shard:
+        with open(args.merge) as f:
+            base = json.load(f)
+        fresh = {(d["op"], d["dtype"], d["kind"]): d for d in results}
+        results = [fresh.pop((d["op"], d["dtype"], d["kind"]), d) for d in base["results"]]
+        results += list(fresh.values())
+        meta = dict(base["meta"], merged=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
