@@ -226,6 +226,35 @@ def _install_excepthook():
     if sys.excepthook is not _excepthook:
         _previous_hook = sys.excepthook
         sys.excepthook = _excepthook
+    if "IPython" in sys.modules:
+        install_ipython_handler()
+
+
+def _ipython_handler(shell, etype, value, tb, tb_offset=None):
+    if getattr(value, "_torchtpu", False) and not full_traceback():
+        tb = trim(tb)
+        value.__traceback__ = tb
+    elif issubclass(etype, SyntaxError):
+        shell.showsyntaxerror()  # what IPython does without a custom handler
+        return
+    # IPython discards a handler's result when running code: show it here.
+    shell.showtraceback((etype, value, tb), tb_offset=tb_offset)
+
+
+def install_ipython_handler(shell=None):
+    """In IPython/Jupyter, show torchtpu's errors ending at the cell's line
+    (IPython never hides the innermost frame by itself). Leaves a custom
+    handler the user installed alone."""
+    if shell is None:
+        try:
+            from IPython import get_ipython
+        except ImportError:  # pragma: no cover
+            return
+        shell = get_ipython()
+    if shell is None or getattr(shell, "custom_exceptions", ()) not in ((), (Exception,)):
+        return
+    if shell.custom_exceptions == ():
+        shell.set_custom_exc((Exception,), _ipython_handler)
 
 
 # ---- debug-mode index bounds -----------------------------------------------

@@ -7,7 +7,9 @@
 
 
 def load_ipython_extension(ip):
-    from . import metrics, modes
+    from . import errors, metrics, modes
+
+    errors.install_ipython_handler(ip)
 
     def tpu_mode(line):
         name = line.strip()
