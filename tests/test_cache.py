@@ -148,7 +148,9 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
     assert s2["compile_seconds_saved"] > 0
     _same(cold, warm)
     if mode == "strict":
-        # Read-only: reads what is there, compiles what is new, writes nothing.
+        # Read-only: reads what is there, compiles what is new, writes nothing
+        # (not even the lock file).
+        os.remove(d / cache.LOCK_NAME)
         before = _snapshot(d)
         ro = _run(script, d, mode, TORCHTPU_CACHE_READONLY="1", EXTRA="1")
         s3 = ro["stats"]

@@ -93,20 +93,21 @@ def _sha256(data):
 
 @contextlib.contextmanager
 def _locked(path, exclusive):
-    """flock on the directory's lock file; readers of a directory they cannot
-    write go without (nobody writes it then, or they cannot tell anyway)."""
+    """flock on the directory's lock file. Readers never create it (a
+    read-only run writes nothing); with no lock file yet there is no locking
+    writer either, and a torn pair would still read as a miss."""
     if fcntl is None:
         yield
         return
     lock_path = os.path.join(path, LOCK_NAME)
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
-        try:
+        if exclusive:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        else:
             fd = os.open(lock_path, os.O_RDONLY)
-        except OSError:
-            yield
-            return
+    except OSError:
+        yield
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
