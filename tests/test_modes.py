@@ -114,13 +114,20 @@ def test_metrics(mode):
 
 
 def test_repeated_op_does_not_recompile(mode):
+    def step(x):
+        for _ in range(5):
+            x = x * 0.5
+        torchtpu.sync()
+        return x
     x = torch.randn(5, 7).to("tpu")
-    x = x * 0.5
-    metrics.reset()
-    for _ in range(5):
-        x = x * 0.5
     torchtpu.sync()
+    # The first step compiles the op (debug, strict) or the 5-op graph (fused).
+    x = step(x)
+    metrics.reset()
+    x = step(x)
     assert metrics.snapshot()["compilations"] == 0
+    assert metrics.snapshot()["memory_cache_hits"] >= 1
+    torch.testing.assert_close(x.cpu().abs().max() > 0, torch.tensor(True))
 
 
 def test_check_nans(monkeypatch, debug_mode):
