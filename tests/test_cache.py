@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-import torchtpu
 from torchtpu import cache
 
 SCRIPT = r'''
