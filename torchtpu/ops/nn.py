@@ -1,1 +1,589 @@
-"""nn lowerings."""
+"""Neural-network ops: convolution, pooling, normalization, softmax, losses.
+
+Float work runs at full precision (Precision.HIGHEST) and bf16/f16 inputs
+compute in float32, as PyTorch's CPU kernels do. Backward ops that have a
+simple forward are lowered as the JAX vjp of that forward, so forward and
+backward agree by construction.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from . import ctx, lower
+from .util import ctx_dtype
+
+aten = torch.ops.aten
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _compute_dtype(dtype):
+    """Low precision floats compute in float32."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+def _up(x):
+    return x.astype(_compute_dtype(x.dtype))
+
+
+def _out_shape(i=0):
+    return tuple(ctx.out[i].shape)
+
+
+# ---- convolution ------------------------------------------------------------
+
+def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
+    """aten.convolution without bias, on (N, C, *spatial) inputs."""
+    nd = x.ndim - 2
+    spatial = "DHW"[3 - nd:] if nd <= 3 else None
+    dn = lax.conv_dimension_numbers(x.shape, w.shape,
+                                    ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+    acc = _compute_dtype(x.dtype)
+    if not transposed:
+        return lax.conv_general_dilated(
+            x, w, window_strides=stride, padding=[(p, p) for p in padding],
+            rhs_dilation=dilation, feature_group_count=groups, dimension_numbers=dn,
+            precision=HIGHEST, preferred_element_type=acc)
+    # A transposed convolution is the input-gradient of a convolution: dilate
+    # the input by the stride, pad by dilation*(k-1)-p, and convolve with the
+    # spatially flipped kernel with in/out channels swapped per group.
+    cin, cout_g = w.shape[:2]
+    k = w.shape[2:]
+    w = w.reshape((groups, cin // groups, cout_g) + k)
+    w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
+    w = jnp.flip(w, axis=tuple(range(2, 2 + nd)))
+    pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op)
+            for kk, p, d, op in zip(k, padding, dilation, output_padding)]
+    dn = lax.conv_dimension_numbers(x.shape, w.shape,
+                                    ("NC" + spatial, "OI" + spatial, "NC" + spatial))
+    return lax.conv_general_dilated(
+        x, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride,
+        rhs_dilation=dilation, feature_group_count=groups, dimension_numbers=dn,
+        precision=HIGHEST, preferred_element_type=acc)
+
+
+def _expand(v, nd):
+    v = list(v)
+    return v * nd if len(v) == 1 else v
+
+
+def _conv_args(x, stride, padding, dilation, output_padding):
+    nd = x.ndim - 2
+    return (_expand(stride, nd), _expand(padding, nd), _expand(dilation, nd),
+            _expand(output_padding, nd))
+
+
+@lower(aten.convolution.default)
+def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    unbatched = x.ndim == w.ndim - 1
+    if unbatched:
+        x = x[None]
+    stride, padding, dilation, output_padding = _conv_args(x, stride, padding, dilation,
+                                                           output_padding)
+    out = _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
+    if bias is not None:
+        out = out + _up(bias).reshape((1, -1) + (1,) * (out.ndim - 2))
+    out = out.astype(x.dtype)
+    return out[0] if unbatched else out
+
+
+@lower(aten.convolution_backward.default)
+def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):
+    stride, padding, dilation, output_padding = _conv_args(x, stride, padding, dilation,
+                                                           output_padding)
+
+    def f(x_, w_):
+        return _conv(x_, w_, stride, padding, dilation, transposed, output_padding, groups)
+
+    acc = _compute_dtype(x.dtype)
+    out, vjp = jax.vjp(f, x.astype(acc), w.astype(acc))
+    gx, gw = vjp(grad.astype(out.dtype))
+    gb = jnp.sum(_up(grad), axis=(0,) + tuple(range(2, grad.ndim))) if output_mask[2] else None
+    return (gx.astype(x.dtype) if output_mask[0] else None,
+            gw.astype(w.dtype) if output_mask[1] else None,
+            gb.astype(grad.dtype) if gb is not None else None)
+
+
+# ---- pooling ----------------------------------------------------------------
+
+def _pool_geometry(size, k, s, p, d, ceil_mode):
+    """Output size and the high-side padding a pooling window needs (PyTorch's
+    rule: with ceil_mode the last window must start inside the padded input)."""
+    span = d * (k - 1) + 1
+    num = size + 2 * p - span
+    out = (-(-num // s) if ceil_mode else num // s) + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    hi = max(0, (out - 1) * s + span - size - p)
+    return out, hi
+
+
+def _pool_args(x, kernel_size, stride, padding, n=2):
+    k = _expand(kernel_size, n)
+    s = _expand(stride, n) if stride else k
+    p = _expand(padding, n)
+    return k, s, p
+
+
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    n = 2
+    k, s, p = _pool_args(x, kernel_size, stride, padding, n)
+    sizes = x.shape[-n:]
+    geo = [_pool_geometry(sz, kk, ss, pp, 1, ceil_mode) for sz, kk, ss, pp in zip(sizes, k, s, p)]
+    lead = x.ndim - n
+    xs = _up(x)
+    summed = lax.reduce_window(
+        xs, np.array(0, xs.dtype), lax.add, (1,) * lead + tuple(k), (1,) * lead + tuple(s),
+        [(0, 0)] * lead + [(pp, hi) for pp, (_, hi) in zip(p, geo)])
+    if divisor_override:
+        return summed / divisor_override
+    counts = None
+    for sz, kk, ss, pp, (out, _) in zip(sizes, k, s, p, geo):
+        start = np.arange(out) * ss - pp
+        end = np.minimum(start + kk, sz + pp)
+        if not count_include_pad:
+            end = np.minimum(end, sz)
+            start = np.maximum(start, 0)
+        c = (end - start).astype(np.float64)
+        counts = c if counts is None else counts[:, None] * c[None, :]
+    return summed / jnp.asarray(counts, xs.dtype)
+
+
+@lower(aten.avg_pool2d.default)
+def avg_pool2d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False,
+               count_include_pad=True, divisor_override=None):
+    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                     divisor_override).astype(x.dtype)
+
+
+@lower(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                        divisor_override):
+    def f(x_):
+        return _avg_pool(x_, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                         divisor_override)
+    _, vjp = jax.vjp(f, _up(x))
+    return vjp(_up(grad))[0].astype(x.dtype)
+
+
+def _window_indices(size, k, s, p, d, out):
+    """(out, k) positions each window reads, in padded coordinates."""
+    return (np.arange(out)[:, None] * s + np.arange(k)[None, :] * d).astype(np.int64)
+
+
+def _max_pool_patches(x, kernel_size, stride, padding, dilation, ceil_mode):
+    """Windows of x as (..., OH, OW, kh*kw) plus each element's flat input index."""
+    k, s, p = _pool_args(x, kernel_size, stride, padding)
+    d = _expand(dilation, 2)
+    H, W = x.shape[-2:]
+    (oh, hh), (ow, hw) = [_pool_geometry(sz, kk, ss, pp, dd, ceil_mode)
+                          for sz, kk, ss, pp, dd in zip((H, W), k, s, p, d)]
+    lead = x.ndim - 2
+    fill = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
+    xp = jnp.pad(x, [(0, 0)] * lead + [(p[0], hh), (p[1], hw)], constant_values=fill)
+    ih = _window_indices(H, k[0], s[0], p[0], d[0], oh)
+    iw = _window_indices(W, k[1], s[1], p[1], d[1], ow)
+    patches = xp[..., ih[:, None, :, None], iw[None, :, None, :]]  # (..., oh, ow, kh, kw)
+    flat_idx = (ih[:, None, :, None] - p[0]) * W + (iw[None, :, None, :] - p[1])
+    flat_idx = np.broadcast_to(flat_idx, (oh, ow, k[0], k[1])).reshape(oh, ow, -1)
+    return patches.reshape(patches.shape[:-2] + (-1,)), flat_idx
+
+
+@lower(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(x, kernel_size, stride=(), padding=(0,), dilation=(1,),
+                            ceil_mode=False):
+    patches, flat_idx = _max_pool_patches(x, kernel_size, stride, padding, dilation, ceil_mode)
+    # NaN wins, as on CPU; ties take the first position.
+    key = jnp.where(jnp.isnan(patches), jnp.inf, patches) if jnp.issubdtype(
+        x.dtype, jnp.floating) else patches
+    arg = jnp.argmax(key, axis=-1)
+    vals = jnp.take_along_axis(patches, arg[..., None], -1)[..., 0]
+    idx = jnp.asarray(flat_idx)[jnp.arange(flat_idx.shape[0])[:, None],
+                                jnp.arange(flat_idx.shape[1])[None, :], arg]
+    return vals, idx.astype(jnp.int64)
+
+
+@lower(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad, x, kernel_size, stride, padding, dilation,
+                                     ceil_mode, indices):
+    H, W = x.shape[-2:]
+    lead = x.shape[:-2]
+    g = _up(grad).reshape(lead + (-1,))
+    idx = indices.reshape(lead + (-1,))
+    out = jnp.zeros(lead + (H * W,), g.dtype)
+    out = jax.vmap(lambda o, i, v: o.at[i].add(v))(
+        out.reshape(-1, H * W), idx.reshape(-1, idx.shape[-1]), g.reshape(-1, g.shape[-1]))
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def _adaptive_matrix(size, out):
+    """(out, size) averaging weights: window i is [floor(i*size/out), ceil((i+1)*size/out))."""
+    m = np.zeros((out, size))
+    for i in range(out):
+        a = (i * size) // out
+        b = -(-((i + 1) * size) // out)
+        m[i, a:b] = 1.0 / (b - a)
+    return m
+
+
+def _adaptive_avg(x, out_size):
+    H, W = x.shape[-2:]
+    mh = jnp.asarray(_adaptive_matrix(H, out_size[0]), x.dtype)
+    mw = jnp.asarray(_adaptive_matrix(W, out_size[1]), x.dtype)
+    return jnp.einsum("...hw,oh,pw->...op", x, mh, mw, precision=HIGHEST)
+
+
+@lower(aten._adaptive_avg_pool2d.default)
+def adaptive_avg_pool2d(x, output_size):
+    return _adaptive_avg(_up(x), _expand(output_size, 2)).astype(x.dtype)
+
+
+@lower(aten._adaptive_avg_pool2d_backward.default)
+def adaptive_avg_pool2d_backward(grad, x):
+    _, vjp = jax.vjp(lambda x_: _adaptive_avg(x_, grad.shape[-2:]), _up(x))
+    return vjp(_up(grad))[0].astype(x.dtype)
+
+
+# ---- softmax ----------------------------------------------------------------
+
+@lower(aten._softmax.default)
+def softmax(x, dim, half_to_float):
+    return jax.nn.softmax(_up(x), axis=dim).astype(ctx_dtype())
+
+
+@lower(aten._log_softmax.default)
+def log_softmax(x, dim, half_to_float):
+    return jax.nn.log_softmax(_up(x), axis=dim).astype(ctx_dtype())
+
+
+@lower(aten._softmax_backward_data.default)
+def softmax_backward_data(grad, out, dim, input_dtype):
+    g, o = _up(grad), _up(out)
+    return (o * (g - jnp.sum(g * o, axis=dim, keepdims=True))).astype(ctx_dtype())
+
+
+@lower(aten._log_softmax_backward_data.default)
+def log_softmax_backward_data(grad, out, dim, input_dtype):
+    g, o = _up(grad), _up(out)
+    return (g - jnp.exp(o) * jnp.sum(g, axis=dim, keepdims=True)).astype(ctx_dtype())
+
+
+# ---- normalization ----------------------------------------------------------
+
+def _bcast_channel(v, ndim):
+    """A per-channel vector shaped to broadcast over (N, C, *spatial)."""
+    return v.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def _batch_stats(x):
+    axes = (0,) + tuple(range(2, x.ndim))
+    mean = jnp.mean(x, axis=axes)
+    var = jnp.mean(jnp.square(x - _bcast_channel(mean, x.ndim)), axis=axes)
+    return mean, var, math.prod(x.shape[a] for a in axes)
+
+
+def _bn_apply(x, mean, invstd, weight, bias):
+    out = (x - _bcast_channel(mean, x.ndim)) * _bcast_channel(invstd, x.ndim)
+    if weight is not None:
+        out = out * _bcast_channel(_up(weight), x.ndim)
+    if bias is not None:
+        out = out + _bcast_channel(_up(bias), x.ndim)
+    return out
+
+
+def _bn_train(x, weight, bias, running_mean, running_var, momentum, eps):
+    xs = _up(x)
+    mean, var, n = _batch_stats(xs)
+    invstd = lax.rsqrt(var + eps)
+    out = _bn_apply(xs, mean, invstd, weight, bias).astype(x.dtype)
+    new_rm = new_rv = None
+    if running_mean is not None:
+        new_rm = ((1 - momentum) * _up(running_mean) + momentum * mean).astype(running_mean.dtype)
+    if running_var is not None:
+        unbiased = var * (n / max(n - 1, 1))
+        new_rv = ((1 - momentum) * _up(running_var) + momentum * unbiased).astype(running_var.dtype)
+    return out, mean, invstd, new_rm, new_rv
+
+
+@lower(aten._native_batch_norm_legit_functional.default)
+def batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if training:
+        out, mean, invstd, rm, rv = _bn_train(x, weight, bias, running_mean, running_var,
+                                              momentum, eps)
+        return out, mean, invstd, rm, rv
+    out, mean, invstd = batch_norm_no_training(x, weight, bias, running_mean, running_var,
+                                               momentum, eps)
+    return out, mean, invstd, running_mean, running_var
+
+
+@lower(aten._native_batch_norm_legit.no_stats)
+def batch_norm_no_stats(x, weight, bias, training, momentum, eps):
+    out, mean, invstd, _, _ = _bn_train(x, weight, bias, None, None, momentum, eps)
+    return out, mean, invstd
+
+
+@lower(aten._native_batch_norm_legit_no_training.default)
+def batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    xs = _up(x)
+    invstd = lax.rsqrt(_up(running_var) + eps)
+    out = _bn_apply(xs, _up(running_mean), invstd, weight, bias).astype(x.dtype)
+    return out, jnp.zeros((0,), xs.dtype), jnp.zeros((0,), xs.dtype)
+
+
+@lower(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean,
+                               save_invstd, train, eps, output_mask):
+    xs, g = _up(x), _up(grad)
+    axes = (0,) + tuple(range(2, x.ndim))
+    if train:
+        mean, invstd = _up(save_mean), _up(save_invstd)
+    else:
+        mean, invstd = _up(running_mean), lax.rsqrt(_up(running_var) + eps)
+    xhat = (xs - _bcast_channel(mean, x.ndim)) * _bcast_channel(invstd, x.ndim)
+    gb = jnp.sum(g, axis=axes)
+    gw = jnp.sum(g * xhat, axis=axes)
+    w = _up(weight) if weight is not None else jnp.ones_like(mean)
+    scale = _bcast_channel(w * invstd, x.ndim)
+    if train:
+        n = math.prod(x.shape[a] for a in axes)
+        gi = scale * (g - _bcast_channel(gb / n, x.ndim) - xhat * _bcast_channel(gw / n, x.ndim))
+    else:
+        gi = g * scale
+    wdt = weight.dtype if weight is not None else x.dtype
+    return (gi.astype(x.dtype) if output_mask[0] else None,
+            gw.astype(wdt) if output_mask[1] else None,
+            gb.astype(wdt) if output_mask[2] else None)
+
+
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=axes, keepdims=True)
+    rstd = lax.rsqrt(var + eps)
+    out = (x - mean) * rstd
+    if weight is not None:
+        out = out * _up(weight)
+    if bias is not None:
+        out = out + _up(bias)
+    return out, mean, rstd
+
+
+@lower(aten.native_layer_norm.default)
+def native_layer_norm(x, normalized_shape, weight, bias, eps):
+    out, mean, rstd = _layer_norm(_up(x), normalized_shape, weight, bias, eps)
+    return out.astype(x.dtype), mean, rstd
+
+
+def _norm_input_grad(gxhat, xhat, rstd, axes):
+    """d(loss)/dx of xhat = (x - mean) * rstd with the statistics over axes."""
+    m = math.prod(gxhat.shape[a] for a in axes)
+    s1 = jnp.sum(gxhat, axis=axes, keepdims=True)
+    s2 = jnp.sum(gxhat * xhat, axis=axes, keepdims=True)
+    return rstd * (gxhat - s1 / m - xhat * (s2 / m))
+
+
+@lower(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias,
+                               output_mask):
+    g = _up(grad)
+    axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+    lead = tuple(range(x.ndim - len(normalized_shape)))
+    xhat = (_up(x) - _up(mean)) * _up(rstd)
+    gxhat = g * _up(weight) if weight is not None else g
+    gx = _norm_input_grad(gxhat, xhat, _up(rstd), axes) if output_mask[0] else None
+    gw = jnp.sum(g * xhat, axis=lead) if output_mask[1] and weight is not None else None
+    gb = jnp.sum(g, axis=lead) if output_mask[2] and bias is not None else None
+    return (gx.astype(x.dtype) if gx is not None else None,
+            gw.astype(weight.dtype) if gw is not None else None,
+            gb.astype(bias.dtype) if gb is not None else None)
+
+
+def _group_norm(x, weight, bias, N, C, group, eps):
+    xs = x.reshape(N, group, -1)
+    mean = jnp.mean(xs, axis=-1)
+    var = jnp.mean(jnp.square(xs - mean[..., None]), axis=-1)
+    rstd = lax.rsqrt(var + eps)
+    out = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
+    if weight is not None:
+        out = out * _bcast_channel(weight, x.ndim)
+    if bias is not None:
+        out = out + _bcast_channel(bias, x.ndim)
+    return out, mean, rstd
+
+
+@lower(aten.native_group_norm.default)
+def native_group_norm(x, weight, bias, N, C, HxW, group, eps):
+    w = _up(weight) if weight is not None else None
+    b = _up(bias) if bias is not None else None
+    out, mean, rstd = _group_norm(_up(x), w, b, N, C, group, eps)
+    return out.astype(x.dtype), mean, rstd
+
+
+@lower(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, output_mask):
+    g = _up(grad)
+    xg = _up(x).reshape(N, group, -1)
+    m, r = _up(mean)[..., None], _up(rstd)[..., None]
+    xhat = (xg - m) * r
+    gxhat = g * _bcast_channel(_up(weight), x.ndim) if weight is not None else g
+    gx = _norm_input_grad(gxhat.reshape(N, group, -1), xhat, r, (2,)).reshape(x.shape)
+    axes = (0,) + tuple(range(2, x.ndim))
+    gw = jnp.sum(g * xhat.reshape(x.shape), axis=axes)
+    gb = jnp.sum(g, axis=axes)
+    wdt = weight.dtype if weight is not None else x.dtype
+    return (gx.astype(x.dtype) if output_mask[0] else None,
+            gw.astype(wdt) if output_mask[1] else None,
+            gb.astype(wdt) if output_mask[2] else None)
+
+
+# ---- losses -----------------------------------------------------------------
+
+def _nll_parts(x, target, weight, ignore_index):
+    """Per-element weights (0 where ignored) and the picked log-probabilities."""
+    cdim = 1 if x.ndim >= 2 else 0
+    valid = target != ignore_index
+    safe = jnp.where(valid, target, 0)
+    w = (_up(weight)[safe] if weight is not None else jnp.ones(safe.shape, _up(x).dtype))
+    w = jnp.where(valid, w, 0)
+    picked = jnp.take_along_axis(_up(x), jnp.expand_dims(safe, cdim), axis=cdim)
+    return w, jnp.squeeze(picked, cdim), safe, cdim
+
+
+@lower(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    w, picked, _, _ = _nll_parts(x, target, weight, ignore_index)
+    losses = -picked * w
+    total = jnp.sum(w)
+    if reduction == 0:
+        return losses.astype(x.dtype), jnp.zeros((), x.dtype)
+    s = jnp.sum(losses)
+    out = s / total if reduction == 1 else s
+    return out.astype(x.dtype), total.astype(x.dtype)
+
+
+@lower(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
+    w, _, safe, cdim = _nll_parts(x, target, weight, ignore_index)
+    g = _up(grad)
+    if reduction == 1:
+        g = g / _up(total_weight)
+    contrib = -w * g
+    onehot = jax.nn.one_hot(safe, x.shape[cdim], axis=cdim, dtype=contrib.dtype)
+    return (onehot * jnp.expand_dims(contrib, cdim)).astype(x.dtype)
+
+
+@lower(aten.native_dropout_backward.default)
+def native_dropout_backward(grad, mask, scale):
+    return (grad * mask.astype(grad.dtype) * jnp.asarray(scale).astype(grad.dtype)).astype(
+        grad.dtype)
+
+
+# ---- recurrent cells --------------------------------------------------------
+
+@lower(aten._thnn_fused_lstm_cell.default)
+def fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
+    gates = _up(input_gates) + _up(hidden_gates)
+    if input_bias is not None:
+        gates = gates + _up(input_bias)
+    if hidden_bias is not None:
+        gates = gates + _up(hidden_bias)
+    i, f, g, o = jnp.split(gates, 4, axis=-1)
+    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    cy = f * _up(cx) + i * g
+    hy = o * jnp.tanh(cy)
+    # The workspace keeps the activated gates for the backward, as CUDA's does.
+    workspace = jnp.concatenate([i, f, g, o], axis=-1)
+    dt = cx.dtype
+    return hy.astype(dt), cy.astype(dt), workspace.astype(dt)
+
+
+@lower(aten._thnn_fused_lstm_cell_backward_impl.default)
+def fused_lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
+    i, f, g, o = jnp.split(_up(workspace), 4, axis=-1)
+    c = _up(cy)
+    gh = _up(grad_hy) if grad_hy is not None else jnp.zeros_like(c)
+    gc = _up(grad_cy) if grad_cy is not None else jnp.zeros_like(c)
+    tanh_c = jnp.tanh(c)
+    gcy = gh * o * (1 - tanh_c * tanh_c) + gc
+    go = gh * tanh_c * o * (1 - o)
+    gi = gcy * g * i * (1 - i)
+    gg = gcy * i * (1 - g * g)
+    gf = gcy * _up(cx) * f * (1 - f)
+    grad_gates = jnp.concatenate([gi, gf, gg, go], axis=-1)
+    grad_cx = gcy * f
+    grad_bias = jnp.sum(grad_gates, axis=0).astype(cx.dtype) if has_bias else None
+    return grad_gates.astype(cx.dtype), grad_cx.astype(cx.dtype), grad_bias
+
+
+# ---- resampling -------------------------------------------------------------
+
+def _nearest_matrix(size, out, scale):
+    """(out, size) 0/1 matrix of PyTorch's nearest rule: src = floor(dst * scale)."""
+    s = np.float32(1.0 / scale) if scale else np.float32(size) / np.float32(out)
+    src = np.minimum(np.floor(np.arange(out, dtype=np.float32) * s).astype(np.int64), size - 1)
+    m = np.zeros((out, size))
+    m[np.arange(out), src] = 1.0
+    return m
+
+
+def _linear_matrix(size, out, align_corners, scale):
+    """(out, size) weights of PyTorch's linear interpolation along one dim."""
+    dst = np.arange(out, dtype=np.float64)
+    if align_corners:
+        src = dst * ((size - 1) / (out - 1) if out > 1 else 0.0)
+    else:
+        s = 1.0 / scale if scale else size / out
+        src = np.maximum((dst + 0.5) * s - 0.5, 0.0)
+    i0 = np.minimum(np.floor(src).astype(np.int64), size - 1)
+    i1 = np.minimum(i0 + 1, size - 1)
+    lam = src - i0
+    m = np.zeros((out, size))
+    np.add.at(m, (np.arange(out), i0), 1 - lam)
+    np.add.at(m, (np.arange(out), i1), lam)
+    return m
+
+
+def _resample(x, mh, mw):
+    return jnp.einsum("...hw,oh,pw->...op", x, jnp.asarray(mh, x.dtype), jnp.asarray(mw, x.dtype),
+                      precision=HIGHEST)
+
+
+def _resample_t(g, mh, mw):
+    return jnp.einsum("...op,oh,pw->...hw", g, jnp.asarray(mh, g.dtype), jnp.asarray(mw, g.dtype),
+                      precision=HIGHEST)
+
+
+@lower(aten.upsample_nearest2d.default)
+def upsample_nearest2d(x, output_size, scales_h=None, scales_w=None):
+    H, W = x.shape[-2:]
+    mh = _nearest_matrix(H, output_size[0], scales_h)
+    mw = _nearest_matrix(W, output_size[1], scales_w)
+    return _resample(_up(x), mh, mw).astype(x.dtype)
+
+
+@lower(aten.upsample_nearest2d_backward.default)
+def upsample_nearest2d_backward(grad, output_size, input_size, scales_h=None, scales_w=None):
+    mh = _nearest_matrix(input_size[2], output_size[0], scales_h)
+    mw = _nearest_matrix(input_size[3], output_size[1], scales_w)
+    return _resample_t(_up(grad), mh, mw).astype(grad.dtype)
+
+
+@lower(aten.upsample_bilinear2d.default)
+def upsample_bilinear2d(x, output_size, align_corners, scales_h=None, scales_w=None):
+    H, W = x.shape[-2:]
+    mh = _linear_matrix(H, output_size[0], align_corners, scales_h)
+    mw = _linear_matrix(W, output_size[1], align_corners, scales_w)
+    return _resample(_up(x), mh, mw).astype(x.dtype)
+
+
+@lower(aten.upsample_bilinear2d_backward.default)
+def upsample_bilinear2d_backward(grad, output_size, input_size, align_corners, scales_h=None,
+                                 scales_w=None):
+    mh = _linear_matrix(input_size[2], output_size[0], align_corners, scales_h)
+    mw = _linear_matrix(input_size[3], output_size[1], align_corners, scales_w)
+    return _resample_t(_up(grad), mh, mw).astype(grad.dtype)

@@ -1,0 +1,253 @@
+"""nn ops on tpu vs CPU, forward and backward: convolution, pooling,
+normalization (with running stats), softmax, losses, attention, LSTM."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu
+from conftest import assert_same
+
+DEV = "tpu"
+
+
+def compare(fn, *args, grad=True, atol=None, rtol=None, fallback_ok=False):
+    """fn on CPU and tpu: outputs and the gradients of every float input
+    (through a fixed random weighting of the outputs); no CPU fallback."""
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    cpu = [a.detach().clone().requires_grad_(grad and a.is_floating_point())
+           if isinstance(a, torch.Tensor) else a for a in args]
+    dev = [a.detach().to(DEV).requires_grad_(grad and a.is_floating_point())
+           if isinstance(a, torch.Tensor) else a for a in args]
+    out_c, out_d = fn(*cpu), fn(*dev)
+    tol = {} if atol is None else {"atol": atol, "rtol": rtol}
+    assert_same(out_d, out_c, **tol)
+    outs_c = out_c if isinstance(out_c, (tuple, list)) else [out_c]
+    outs_d = out_d if isinstance(out_d, (tuple, list)) else [out_d]
+    pairs = [(c, d) for c, d in zip(outs_c, outs_d)
+             if isinstance(c, torch.Tensor) and c.requires_grad]
+    if pairs:
+        ws = [torch.randn(c.shape, dtype=c.dtype) for c, _ in pairs]
+        sum((c * w).sum() for (c, _), w in zip(pairs, ws)).backward()
+        sum((d * w.to(DEV)).sum() for (_, d), w in zip(pairs, ws)).backward()
+        for c, d in zip(cpu, dev):
+            if isinstance(c, torch.Tensor) and c.requires_grad:
+                assert_same(d.grad, c.grad, **tol)
+    if not fallback_ok:
+        assert dict(torchtpu.metrics.M.cpu_fallbacks) == before, "ran on the CPU fallback"
+    return out_d
+
+
+def r(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+# ---- convolution ------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(stride=2, padding=1), dict(padding=2, dilation=2), dict(groups=2, padding="same"),
+])
+def test_conv2d(kw):
+    compare(lambda x, w, b: F.conv2d(x, w, b, **kw), r(2, 4, 7, 6), r(6, 4 // kw.get("groups", 1), 3, 3),
+            r(6))
+
+
+def test_conv1d_3d_unbatched_nobias():
+    compare(lambda x, w: F.conv1d(x, w, stride=2, padding=1), r(2, 3, 9), r(4, 3, 3))
+    compare(lambda x, w, b: F.conv3d(x, w, b, padding=1), r(1, 2, 4, 5, 4), r(3, 2, 3, 3, 3), r(3))
+    compare(lambda x, w: F.conv2d(x, w), r(3, 6, 6), r(2, 3, 3, 3))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(stride=2, padding=1, output_padding=1),
+                                dict(stride=2, groups=2, dilation=2)])
+def test_conv_transpose2d(kw):
+    compare(lambda x, w, b: F.conv_transpose2d(x, w, b, **kw), r(2, 4, 5, 4),
+            r(4, 6 // kw.get("groups", 1) * 1, 3, 3), r(6 // kw.get("groups", 1) * kw.get("groups", 1)))
+
+
+def test_conv_transpose1d_and_bf16():
+    compare(lambda x, w: F.conv_transpose1d(x, w, stride=3, padding=1), r(2, 3, 6), r(3, 2, 4))
+    x, w = r(2, 3, 8, 8, dtype=torch.bfloat16), r(4, 3, 3, 3, dtype=torch.bfloat16)
+    out = F.conv2d(x.to(DEV), w.to(DEV))
+    assert out.dtype == torch.bfloat16
+    ref = F.conv2d(x.float(), w.float()).bfloat16()
+    torch.testing.assert_close(out.cpu(), ref)
+
+
+def test_conv_module_training_step():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 5))
+    net_d = torch.nn.Sequential(*[m for m in __import__("copy").deepcopy(net)]).to(DEV)
+    x, y = r(2, 3, 8, 8), torch.tensor([1, 4])
+    F.cross_entropy(net(x), y).backward()
+    F.cross_entropy(net_d(x.to(DEV)), y.to(DEV)).backward()
+    for p, q in zip(net.parameters(), net_d.parameters()):
+        assert_same(q.grad, p.grad, atol=1e-5, rtol=1e-4)
+
+
+# ---- pooling ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1),
+                                dict(kernel_size=3, stride=2, ceil_mode=True),
+                                dict(kernel_size=2, dilation=2, padding=1)])
+def test_max_pool2d(kw):
+    x = r(2, 3, 7, 8)
+    compare(lambda t: F.max_pool2d(t, return_indices=True, **kw), x)
+
+
+@pytest.mark.parametrize("kw", [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1),
+                                dict(kernel_size=3, stride=2, padding=1, count_include_pad=False),
+                                dict(kernel_size=3, stride=2, ceil_mode=True),
+                                dict(kernel_size=3, stride=2, padding=1, ceil_mode=True,
+                                     count_include_pad=False),
+                                dict(kernel_size=2, divisor_override=3)])
+def test_avg_pool2d(kw):
+    compare(lambda t: F.avg_pool2d(t, **kw), r(2, 3, 7, 8))
+    compare(lambda t: F.avg_pool2d(t, **kw), r(3, 7, 8))
+
+
+@pytest.mark.parametrize("out", [(1, 1), (3, 4), (5, 3)])
+def test_adaptive_avg_pool2d(out):
+    compare(lambda t: F.adaptive_avg_pool2d(t, out), r(2, 3, 7, 8))
+
+
+# ---- softmax and normalization ---------------------------------------------
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_softmax_log_softmax(dim):
+    compare(lambda t: F.softmax(t, dim), r(3, 4, 5))
+    compare(lambda t: F.log_softmax(t, dim), r(3, 4, 5))
+    compare(lambda t: F.log_softmax(t, dim, dtype=torch.float64), r(3, 4, 5))
+
+
+def test_softmax_half():
+    x = r(4, 8, dtype=torch.bfloat16)
+    out = F.softmax(x.to(DEV), -1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu(), F.softmax(x, -1))
+
+
+def test_layer_norm_group_norm():
+    compare(lambda x, w, b: F.layer_norm(x, (4, 5), w, b), r(3, 4, 5), r(4, 5), r(4, 5),
+            atol=1e-5, rtol=1e-4)
+    compare(lambda x: F.layer_norm(x, (5,)), r(3, 4, 5), atol=1e-5, rtol=1e-4)
+    compare(lambda x, w, b: F.group_norm(x, 2, w, b), r(2, 4, 3, 3), r(4), r(4),
+            atol=1e-5, rtol=1e-4)
+    compare(lambda x: F.group_norm(x, 4), r(2, 4, 5), atol=1e-5, rtol=1e-4)
+
+
+def test_batch_norm_training_updates_running_stats():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(3, momentum=0.3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    bn_d = __import__("copy").deepcopy(bn).to(DEV)
+    for _ in range(2):
+        x = r(4, 3, 5, 5) * 2 + 1
+        xd = x.to(DEV).requires_grad_()
+        x.requires_grad_()
+        y, yd = bn(x), bn_d(xd)
+        assert_same(yd, y, atol=1e-5, rtol=1e-4)
+        w = torch.randn(y.shape)
+        (y * w).sum().backward()
+        (yd * w.to(DEV)).sum().backward()
+        assert_same(xd.grad, x.grad, atol=1e-5, rtol=1e-4)
+    assert_same(bn_d.running_mean, bn.running_mean)
+    assert_same(bn_d.running_var, bn.running_var)
+    assert bn_d.num_batches_tracked.item() == 2
+    assert_same(bn_d.weight.grad, bn.weight.grad, atol=1e-4, rtol=1e-4)
+    assert_same(bn_d.bias.grad, bn.bias.grad, atol=1e-4, rtol=1e-4)
+    bn.eval()
+    bn_d.eval()
+    x = r(2, 3, 4, 4)
+    assert_same(bn_d(x.to(DEV)), bn(x), atol=1e-5, rtol=1e-4)
+
+
+def test_batch_norm_functional_variants():
+    x, rm, rv = r(4, 3, 6), r(3), r(3).abs() + 0.5
+    compare(lambda t, w, b: F.batch_norm(t, rm.to(t.device), rv.to(t.device), w, b,
+                                         training=False), x, r(3), r(3), atol=1e-5, rtol=1e-4)
+    compare(lambda t: F.batch_norm(t, None, None, training=True), x, atol=1e-5, rtol=1e-4)
+    ops = torch.ops.aten
+    for fn in (lambda t, m, v: ops._native_batch_norm_legit_functional(t, None, None, m, v, True, 0.1, 1e-5),
+               lambda t, m, v: ops._native_batch_norm_legit_no_training(t, None, None, m, v, 0.1, 1e-5),
+               lambda t, m, v: ops._native_batch_norm_legit(t, None, None, True, 0.1, 1e-5)):
+        out_d = fn(x.to(DEV), rm.to(DEV), rv.to(DEV))
+        out_c = fn(x, rm.clone(), rv.clone())
+        assert_same(out_d, out_c, atol=1e-5, rtol=1e-4)
+    m, v = rm.to(DEV), rv.to(DEV)
+    ops._native_batch_norm_legit(x.to(DEV), None, None, m, v, True, 0.1, 1e-5)
+    mc, vc = rm.clone(), rv.clone()
+    ops._native_batch_norm_legit(x, None, None, mc, vc, True, 0.1, 1e-5)
+    assert_same(m, mc)
+    assert_same(v, vc)
+
+
+# ---- losses -----------------------------------------------------------------
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_nll_and_cross_entropy(reduction):
+    x = F.log_softmax(r(5, 4), -1)
+    t = torch.tensor([0, 3, 1, 1, 2])
+    w = torch.tensor([1.0, 2.0, 0.5, 1.5])
+    compare(lambda a: F.nll_loss(a, t.to(a.device), reduction=reduction), x)
+    compare(lambda a: F.nll_loss(a, t.to(a.device), w.to(a.device), reduction=reduction,
+                                 ignore_index=1), x)
+    compare(lambda a: F.cross_entropy(a, t.to(a.device), reduction=reduction,
+                                      label_smoothing=0.1), r(5, 4))
+    x2 = F.log_softmax(r(2, 4, 3, 3), 1)
+    t2 = torch.randint(0, 4, (2, 3, 3))
+    compare(lambda a: F.nll_loss(a, t2.to(a.device), reduction=reduction, ignore_index=2), x2)
+    compare(lambda a: F.nll_loss(a, t[0].to(a.device), reduction=reduction), x[0])
+
+
+def test_pointwise_losses():
+    a, b = r(4, 5), r(4, 5)
+    p, y = torch.rand(4, 5) * 0.9 + 0.05, torch.rand(4, 5)
+    for red in ("mean", "sum", "none"):
+        compare(lambda u, v: F.mse_loss(u, v, reduction=red), a, b)
+        compare(lambda u, v: F.smooth_l1_loss(u, v, reduction=red, beta=0.5), a, b)
+        compare(lambda u, v: F.huber_loss(u, v, reduction=red, delta=0.7), a, b)
+        compare(lambda u, v: F.binary_cross_entropy(u, v, reduction=red), p, y)
+        pw = torch.rand(5) + 0.5
+        compare(lambda u, v: F.binary_cross_entropy_with_logits(
+            u, v, reduction=red, pos_weight=pw.to(u.device)), a, y)
+
+
+# ---- attention, recurrent, resampling -------------------------------------
+
+def test_scaled_dot_product_attention():
+    q, k, v = r(2, 3, 5, 8), r(2, 3, 6, 8), r(2, 3, 6, 8)
+    compare(F.scaled_dot_product_attention, q, k, v, atol=1e-5, rtol=1e-4)
+    mask = torch.rand(5, 6) > 0.3
+    mask[:, 0] = True
+    compare(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=mask.to(a.device)),
+            q, k, v, atol=1e-5, rtol=1e-4)
+    compare(lambda a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m), q, k, v,
+            r(5, 6), atol=1e-5, rtol=1e-4)
+    compare(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=0.3),
+            q, r(2, 3, 5, 8), r(2, 3, 5, 8), atol=1e-5, rtol=1e-4)
+
+
+def test_lstm_forward_backward():
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6, num_layers=2, batch_first=True)
+    lstm_d = __import__("copy").deepcopy(lstm).to(DEV)
+    x = r(3, 5, 4)
+    out, (h, c) = lstm(x)
+    out_d, (h_d, c_d) = lstm_d(x.to(DEV))
+    assert_same(out_d, out, atol=1e-5, rtol=1e-4)
+    assert_same(h_d, h, atol=1e-5, rtol=1e-4)
+    assert_same(c_d, c, atol=1e-5, rtol=1e-4)
+    (out.sum() + c.sum()).backward()
+    (out_d.sum() + c_d.sum()).backward()
+    for p, q in zip(lstm.parameters(), lstm_d.parameters()):
+        assert_same(q.grad, p.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [dict(scale_factor=2, mode="nearest"), dict(size=(5, 7), mode="nearest"),
+                                dict(scale_factor=2, mode="bilinear"),
+                                dict(size=(5, 3), mode="bilinear", align_corners=True)])
+def test_upsample(kw):
+    compare(lambda t: F.interpolate(t, **kw), r(2, 3, 4, 4), atol=1e-5, rtol=1e-4)
