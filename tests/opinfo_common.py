@@ -51,6 +51,9 @@ UNINITIALIZED_OPS = {"empty", "empty_like", "new_empty", "new_empty_strided",
 # different (correct) summation order or algorithm moves the result beyond
 # the defaults. (op id, kind) -> (rtol, atol, reason). Keep this short.
 TOLERANCES = {
+    ("erfinv", "backward"): (1e-5, 1e-5,
+                             "d/dx erfinv(x) = sqrt(pi)/2 exp(erfinv(x)**2) amplifies the forward's "
+                             "last-bit error by 2*erfinv(x) near x = +-1 (samples reach |x| = 0.9987)"),
 }
 
 # bf16 has 8 mantissa bits: one rounding of a value is up to 2**-8 relative.
