@@ -205,6 +205,10 @@ def _spec(call, value, tensorish):
     if tensorish and type(value) in _DYNAMIC_SCALAR_TYPES:
         call.dynamic.append(value)
         return ("s", type(value))
+    if type(value) in _DYNAMIC_SCALAR_TYPES or type(value) is bool:
+        # 4, 4.0 and True are equal keys; a static scalar's type matters
+        # (arange(4) is int64, arange(4.0) float32).
+        return ("c", value, type(value))
     return ("c", value)
 
 
