@@ -36,7 +36,8 @@ _SCALARS = "scalars"
 class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
-                 "n_plain", "returns", "tensorish", "view_cache", "random", "accepts")
+                 "n_plain", "returns", "tensorish", "view_cache", "random", "accepts",
+                 "special")
 
     def __init__(self, func):
         self.func = func
@@ -45,7 +46,7 @@ class Plan:
         self.tensorish = {}
         for i, a in enumerate(schema.arguments):
             t = str(a.type)
-            flag = (_INDICES if t == "Tensor?[]" else _SCALARS if t == "List[number]"
+            flag = (_INDICES if t == "List[Optional[Tensor]]" else _SCALARS if t == "List[number]"
                     else t in _TENSORISH)
             self.tensorish[i] = flag
             self.tensorish[a.name] = flag
@@ -82,12 +83,17 @@ class Plan:
 
 
 _plans = {}
+# The same plans by id(func): OpOverload hashes in Python, id() does not (the
+# plan keeps func alive, so its id stays unique).
+_plans_by_id = {}
 
 
 def plan_of(func):
     p = _plans.get(func)
     if p is None:
         p = _plans[func] = Plan(func)
+        p.special = SPECIAL.get(func)
+        _plans_by_id[id(func)] = p
     return p
 
 
@@ -347,10 +353,10 @@ def _run_meta(func, args, kwargs):
 
 def dispatch(func, args, kwargs):
     try:
-        handler = SPECIAL.get(func)
-        if handler is not None:
-            return handler(*args, **kwargs)
-        plan = _plans.get(func) or plan_of(func)
+        plan = _plans_by_id.get(id(func)) or plan_of(func)
+        special = plan.special
+        if special is not None:
+            return special(*args, **kwargs)
         kind = plan.kind
         if kind == "lower" or kind == "mutate":
             if plan.accepts is None or plan.accepts(*args, **kwargs):
@@ -367,9 +373,11 @@ def dispatch(func, args, kwargs):
 def _run_lowered(plan, args, kwargs):
     call = _Call()
     tensorish = plan.tensorish
-    pos_specs = tuple(_spec(call, a, tensorish.get(i, False)) for i, a in enumerate(args))
-    kw_specs = tuple((k, _spec(call, v, tensorish.get(k, False))) for k, v in kwargs.items())
-    key = (plan.func, pos_specs, kw_specs)
+    pos_specs = tuple([_spec(call, a, tensorish.get(i, False)) for i, a in enumerate(args)])
+    kw_specs = tuple([(k, _spec(call, v, tensorish.get(k, False)))
+                      for k, v in kwargs.items()]) if kwargs else ()
+    # The plan stands for its op in the key: it hashes by identity, in C.
+    key = (plan, pos_specs, kw_specs)
     entry = cache.lookup(key)
     if entry is None:
         if plan.kind == "mutate":
@@ -378,9 +386,11 @@ def _run_lowered(plan, args, kwargs):
             out_meta = _run_meta(plan.functional, *_functional_args(plan, args, kwargs))
         else:
             out_meta = _run_meta(plan.func, args, kwargs)
-        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta), out_meta))
+        out_tdtypes = tuple(m.dtype for m in out_meta[0]) if out_meta is not None else None
+        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta),
+                                  out_meta, out_tdtypes))
         advisor.note_new_kernel(plan.name)
-    kernel, out_meta = entry
+    kernel, out_meta, out_tdtypes = entry
     metrics.M.ops_dispatched += 1
     flat = [s.array for s in call.storages]
     flat.extend(call.dynamic)
@@ -396,9 +406,10 @@ def _run_lowered(plan, args, kwargs):
         slots = sorted({s[1] for s in _flat_written(kernel.written)})
         for slot, arr in zip(slots, new_storages):
             call.storages[slot].assign(arr)
-    out_dtypes = [m.dtype for m in out_meta[0]] if out_meta is not None else [None] * len(outs)
-    wrapped = [TpuTensor(Storage(o), o.shape, d if d is not None else runtime.torch_dtype(o.dtype))
-               for o, d in zip(outs, out_dtypes)]
+    if out_tdtypes is not None:
+        wrapped = [TpuTensor(Storage(o), o.shape, d) for o, d in zip(outs, out_tdtypes)]
+    else:
+        wrapped = [TpuTensor(Storage(o), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
     if plan.kind == "mutate":
         return _mutation_result(plan, args, kwargs, wrapped)
     return _unflatten(kernel.out_tree, wrapped)

@@ -81,18 +81,22 @@ class TpuTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):
         if stride is None:
+            # The tensor is its whole storage array: same shape, no view.
             r = torch.Tensor._make_wrapper_subclass(
                 cls, shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
-        else:
-            r = torch.Tensor._make_wrapper_subclass(
-                cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
-                device=DEVICE, requires_grad=requires_grad)
+            r._storage = storage
+            r._view = None
+            # What a kernel needs to know about this input (its cache key part).
+            r._key = (dtype, tuple(shape), None)
+            return r
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
+            device=DEVICE, requires_grad=requires_grad)
         r._storage = storage
-        view = None if stride is None and offset == 0 else make_view(
-            storage.array.shape, shape, stride, offset)
+        storage_shape = storage.array.shape
+        view = make_view(storage_shape, shape, stride, offset)
         r._view = view
-        # What a kernel needs to know about this input (its cache key part).
-        r._key = (dtype, storage.array.shape, view)
+        r._key = (dtype, storage_shape, view)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -111,8 +115,7 @@ class TpuTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
     def __reduce_ex__(self, proto):
         # Serialize through a CPU copy; torch.load's map_location applies.
@@ -150,6 +153,14 @@ class TpuTensor(torch.Tensor):
             raise TypeError("can't convert tpu:0 device type tensor to numpy. "
                             "Use Tensor.cpu() to copy the tensor to host memory first.")
         return self.detach().cpu().numpy()
+
+
+def _dispatch(func, args, kwargs):
+    """Bound to dispatch.dispatch on first use (no import per op)."""
+    global _dispatch
+    from .dispatch import dispatch
+    _dispatch = dispatch
+    return dispatch(func, args, kwargs)
 
 
 def wrap(array, dtype=None):
