@@ -24,7 +24,7 @@ from .tensor import Storage, TpuTensor, _is_contiguous, read_view, write_view
 aten = torch.ops.aten
 
 _DYNAMIC_SCALAR_TYPES = (int, float, complex)
-_TENSORISH = ("Tensor", "Scalar", "Tensor?", "Scalar?")
+_TENSORISH = ("Tensor", "Optional[Tensor]", "number", "Optional[number]")
 # Index lists (Tensor?[]) may hold CPU tensors, as with CUDA tensors.
 _INDICES = "indices"
 # Scalar[] elements are dynamic like Scalars (optimizers' per-step lists).
