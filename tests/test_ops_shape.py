@@ -202,6 +202,10 @@ def test_as_strided_scatter():
     x = make(F32, (4, 4))
     src = make(F32, (2, 2), seed=3)
     check(lambda a, s: torch.as_strided_scatter(a, s, (2, 2), (1, 2), 1), x, src)
+    # The strides index the input's own layout (a transposed input stays so).
+    xt = x.t().contiguous().t()
+    got = torch.as_strided_scatter(x.t().contiguous().to("tpu").t(), src.to("tpu"), (2, 2), (1, 2), 1)
+    assert_same(got, torch.as_strided_scatter(xt, src, (2, 2), (1, 2), 1))
 
 
 def test_repeat_zero_and_scalar():
