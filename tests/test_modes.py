@@ -137,3 +137,20 @@ def test_check_nans(monkeypatch, debug_mode):
         x / 0.0
     y = x + 1  # a finite result passes
     torch.testing.assert_close(y.cpu(), torch.tensor([2.0, 1.0]))
+
+
+def test_changing_python_scalar_does_not_recompile(mode):
+    """A learning rate that changes every step is a kernel input, not a constant."""
+    x = torch.ones(4).to("tpu")
+    torchtpu.sync()
+    x = x * 0.5 + 0.25
+    torchtpu.sync()
+    metrics.reset()
+    ref = torch.ones(4) * 0.5 + 0.25
+    for step in range(1, 4):
+        lr = 0.1 / step
+        x = x * lr + 0.25
+        ref = ref * lr + 0.25
+        torchtpu.sync()
+    assert metrics.snapshot()["compilations"] == 0
+    torch.testing.assert_close(x.cpu(), ref)

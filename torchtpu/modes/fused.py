@@ -220,6 +220,17 @@ def _abstract(kernel, flat):
     return avals
 
 
+def _check_avals(kernel, produced):
+    """The recorded shapes/dtypes (from PyTorch's meta kernels) must be what
+    the lowering computes; a mismatch is a lowering bug, never silent."""
+    expected = kernel.avals[0] + kernel.avals[1]
+    got = [(tuple(v.shape), v.dtype) for v in produced]
+    want = [(tuple(a.shape), a.dtype) for a in expected]
+    if got != want:
+        raise RuntimeError(f"torchtpu: the lowering of {kernel.name} returned {got}, "
+                           f"but PyTorch's meta kernel says {want} (a torchtpu bug)")
+
+
 def _build_graph(nodes, live_refs):
     nodes = list(nodes)
     start = time.perf_counter()
@@ -237,7 +248,9 @@ def _build_graph(nodes, live_refs):
                 else:
                     args.append(scalars[r[1]])
             outs, written = kernel.fn(*args)
-            for j, v in enumerate(tuple(outs) + tuple(written)):
+            produced = tuple(outs) + tuple(written)
+            _check_avals(kernel, produced)
+            for j, v in enumerate(produced):
                 values[(ni, j)] = v
         return [values[(r[1], r[2])] for r in live_refs]
 
