@@ -119,14 +119,6 @@ cache_warm_start.columns = [
 ]
 
 
-def _table(rows):
-    cols = cache_warm_start.columns
-    lines = ["| " + " | ".join(t for _, t, _ in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(f.format(r[k]) for k, _, f in cols) + " |")
-    return "\n".join(lines)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -137,8 +129,9 @@ def main(argv=None):
     if args.child:
         _child()
         return
+    from run import table
     rows = cache_warm_start(args.repeats, tuple(args.modes))
-    print(f"\n{cache_warm_start.title}\n\n{_table(rows)}\n")
+    print(f"\n{cache_warm_start.title}\n\n{table(cache_warm_start, rows)}\n")
     for r in rows:
         if r["fallbacks"]:
             print(f"{r['mode']} {r['cache']}: CPU fallbacks: {r['fallback_ops']}")

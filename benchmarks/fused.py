@@ -1,52 +1,16 @@
-"""Fused-mode benchmarks: per-op recording cost and training steps.
+"""Training-step benchmarks: the models, and the same MLP step written as one
+jax.jit function (the compiled limit fused mode aims at).
 
 Each figure is the median of several repeats, measured side by side in one
-process: torchtpu fused, torchtpu strict, PyTorch CPU eager, and (for the
-MLP) the same step written directly as one jax.jit function.
+process: torchtpu fused, torchtpu strict, PyTorch CPU eager, jax.jit.
 """
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 
 import torchtpu
-
-
-def _median_time(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def record_cost(n_ops=1000, repeats=5):
-    """µs per op of `c = c + y` (n_ops ops, then one sync) in each mode."""
-    results = {}
-    for mode in ("fused", "strict"):
-        with torchtpu.eager_mode(mode):
-            y = torch.randn(128, 128).to("tpu")
-
-            def run():
-                c = torch.zeros(128, 128, device="tpu")
-                for _ in range(n_ops):
-                    c = c + y
-                torchtpu.sync()
-            results[mode] = _median_time(run, repeats) / n_ops * 1e6
-    y = torch.randn(128, 128)
-
-    def run_cpu():
-        c = torch.zeros(128, 128)
-        for _ in range(n_ops):
-            c = c + y
-    results["torch_cpu"] = _median_time(run_cpu, repeats) / n_ops * 1e6
-    return results
+from common import timings
 
 
 # ---- models ----------------------------------------------------------------
@@ -103,13 +67,13 @@ def training_step(make_model, make_batch, repeats=5, modes=("fused", "strict", "
         x, y = make_batch()
         if mode == "torch_cpu":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            results[mode] = _median_time(_torch_step(model, opt, x, y), repeats) * 1e3
+            results[mode] = timings(_torch_step(model, opt, x, y), repeats)[0] * 1e3
             continue
         with torchtpu.eager_mode(mode):
             model = model.to("tpu")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             x, y = x.to("tpu"), y.to("tpu")
-            results[mode] = _median_time(_torch_step(model, opt, x, y), repeats, warmup=3) * 1e3
+            results[mode] = timings(_torch_step(model, opt, x, y), repeats, warmup=3)[0] * 1e3
     return results
 
 
@@ -152,31 +116,28 @@ def jax_mlp_step(repeats=5):
         out = step(*state)
         state[:] = out[:4]
         float(out[4])
-    return _median_time(run, repeats) * 1e3
+    return timings(run, repeats, warmup=2)[0] * 1e3
 
 
-def run_all(repeats=5):
-    rows = []
-    rc = record_cost(repeats=repeats)
-    rows.append(("c = c + y, µs/op (1000 ops + sync)", rc))
+def training_steps(repeats=5):
+    """ms per AdamW training step: MLP and small GPT, each mode side by side."""
     mlp_ms = training_step(mlp, mlp_batch, repeats=repeats)
     mlp_ms["jax_jit"] = jax_mlp_step(repeats=repeats)
-    rows.append(("MLP 784-1024-1024-10 b128 AdamW, ms/step", mlp_ms))
-    gpt_ms = training_step(TinyGPT, gpt_batch, repeats=max(3, repeats // 2))
-    rows.append(("GPT 4x256 h4 seq128 b8 AdamW, ms/step", gpt_ms))
+    gpt_ms = training_step(TinyGPT, gpt_batch, repeats=repeats)
+    gpt_ms["jax_jit"] = float("nan")
+    rows = []
+    for name, r in (("MLP 784-1024-1024-10, batch 128", mlp_ms),
+                    ("GPT 4 layers d256 h4, seq 128, batch 8, vocab 512", gpt_ms)):
+        rows.append(dict(r, model=name, speedup=r["strict"] / r["fused"],
+                         of_jit=r["fused"] / r["jax_jit"], of_cpu=r["torch_cpu"] / r["fused"]))
     return rows
 
 
-def markdown(rows):
-    lines = ["| benchmark | fused | strict | PyTorch CPU | jax.jit | fused vs strict |",
-             "|---|---|---|---|---|---|"]
-    for name, r in rows:
-        ratio = r["strict"] / r["fused"] if r.get("fused") else float("nan")
-        jit = f"{r['jax_jit']:.2f}" if "jax_jit" in r else "-"
-        lines.append(f"| {name} | {r['fused']:.2f} | {r['strict']:.2f} | {r['torch_cpu']:.2f} | "
-                     f"{jit} | {ratio:.2f}x |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(markdown(run_all()))
+training_steps.title = ("Training step (AdamW), ms per step, median; fused vs strict vs "
+                        "PyTorch CPU eager vs one jax.jit function")
+training_steps.columns = [
+    ("model", "model", "{}"), ("fused", "fused", "{:.1f}"), ("strict", "strict", "{:.1f}"),
+    ("torch_cpu", "PyTorch CPU eager", "{:.1f}"), ("jax_jit", "jax.jit step", "{:.1f}"),
+    ("speedup", "strict / fused", "{:.2f}x"), ("of_jit", "fused / jax.jit", "{:.2f}x"),
+    ("of_cpu", "CPU eager / fused", "{:.2f}x"),
+]

@@ -11,31 +11,22 @@ function and listing it in BENCHMARKS.
 """
 import argparse
 import os
-import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
+from cache_warm_start import cache_warm_start  # noqa: E402
+from common import timings  # noqa: E402
+from fused import training_steps  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "performance.md")
-
-
-def timings(fn, repeats, warmup=1):
-    """(median, best) wall seconds of fn() over repeats, after warmup calls.
-    The best shows the cost without interference from other processes."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
 
 
 # ---- benchmarks -------------------------------------------------------------
@@ -59,7 +50,7 @@ def per_op(n_ops=1000, size=128, repeats=9):
 
     rows.append(row("PyTorch CPU eager", loop(y_cpu, lambda c: None)))
     y = y_cpu.to("tpu")
-    for mode in ("strict", "debug"):
+    for mode in ("fused", "strict", "debug"):
         with torchtpu.eager_mode(mode):
             rows.append(row(f"torchtpu {mode}", loop(y, lambda c: torchtpu.sync())))
     return rows
@@ -70,7 +61,8 @@ per_op.columns = [("mode", "mode", "{}"), ("median", "µs per op (median)", "{:.
                   ("best", "µs per op (best)", "{:.1f}")]
 
 
-BENCHMARKS = {"per_op": per_op}
+BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
+              "cache_warm_start": cache_warm_start}
 
 
 # ---- output -------------------------------------------------------------------
