@@ -182,3 +182,12 @@ def test_matrix_exp_cross_norm():
     compare(torch.linalg.matrix_exp, r(2, 3, 3, dtype=torch.float64) * 0.3)
     compare(torch.linalg.cross, r(4, 3), r(4, 3))
     compare(torch.linalg.vector_norm, r(4, 3))
+
+
+def test_pinv():
+    compare(torch.linalg.pinv, r(2, 5, 3, dtype=torch.float64))
+    h = spd(4)
+    compare(lambda x: torch.linalg.pinv(x, hermitian=True), h)
+    sing = torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=torch.float64)
+    compare(torch.linalg.pinv, sing, grad=False)
+    compare(lambda x: torch.linalg.pinv(x, atol=0.5), r(4, 3, dtype=torch.float64), grad=False)

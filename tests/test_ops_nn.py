@@ -251,3 +251,19 @@ def test_lstm_forward_backward():
                                 dict(size=(5, 3), mode="bilinear", align_corners=True)])
 def test_upsample(kw):
     compare(lambda t: F.interpolate(t, **kw), r(2, 3, 4, 4), atol=1e-5, rtol=1e-4)
+
+
+def test_upsample_1d_3d_exact():
+    compare(lambda t: F.interpolate(t, scale_factor=2.5, mode="linear"), r(2, 3, 5),
+            atol=1e-5, rtol=1e-4)
+    compare(lambda t: F.interpolate(t, size=7, mode="nearest"), r(2, 3, 5))
+    compare(lambda t: F.interpolate(t, size=(3, 7), mode="nearest-exact"), r(1, 2, 4, 5))
+    compare(lambda t: F.interpolate(t, size=(3, 4, 5), mode="trilinear"), r(1, 2, 2, 3, 4),
+            atol=1e-5, rtol=1e-4)
+
+
+def test_softmax_out():
+    x = r(3, 4)
+    out = torch.empty(3, 4, device=DEV)
+    torch.softmax(x.to(DEV), 1, out=out)
+    assert_same(out, torch.softmax(x, 1))

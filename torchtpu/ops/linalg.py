@@ -322,3 +322,26 @@ def linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
 def linalg_matrix_exp(a):
     return jsl.expm(a) if a.ndim == 2 else jax.vmap(jsl.expm)(a.reshape((-1,) + a.shape[-2:])
                                                              ).reshape(a.shape)
+
+
+@lower(aten.linalg_pinv.atol_rtol_tensor)
+def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
+    real = jnp.finfo(a.dtype).dtype
+    m, n = a.shape[-2:]
+    # PyTorch's default: rtol = eps * max(m, n) unless a positive atol is given.
+    if rtol is None:
+        rtol = jnp.where(atol > 0, 0.0, jnp.finfo(real).eps * max(m, n)) if atol is not None \
+            else jnp.finfo(real).eps * max(m, n)
+    atol = 0.0 if atol is None else atol
+    if hermitian:
+        w, v = jnp.linalg.eigh(a, symmetrize_input=False)
+        mag = jnp.abs(w)
+    else:
+        u, w, vh = jnp.linalg.svd(a, full_matrices=False)
+        mag = w
+    smax = jnp.max(mag, axis=-1, keepdims=True) if mag.shape[-1] else mag
+    tol = jnp.maximum(jnp.asarray(atol, real)[..., None], jnp.asarray(rtol, real)[..., None] * smax)
+    inv = jnp.where(mag > tol, 1 / jnp.where(mag > tol, w, 1), 0).astype(a.dtype)
+    if hermitian:
+        return jnp.matmul(v * inv[..., None, :], jnp.conj(_mT(v)), precision=HIGHEST)
+    return jnp.matmul(jnp.conj(_mT(vh)) * inv[..., None, :], jnp.conj(_mT(u)), precision=HIGHEST)

@@ -251,13 +251,15 @@ def adaptive_avg_pool2d_backward(grad, x):
 
 # ---- softmax ----------------------------------------------------------------
 
-@lower(aten._softmax.default)
-def softmax(x, dim, half_to_float):
+# softmax.int / log_softmax.int decompose before dispatch; their lowerings
+# serve the out= variants, which reach the dispatcher.
+@lower(aten._softmax.default, aten.softmax.int)
+def softmax(x, dim, half_to_float=None):
     return jax.nn.softmax(_up(x), axis=dim).astype(ctx_dtype())
 
 
-@lower(aten._log_softmax.default)
-def log_softmax(x, dim, half_to_float):
+@lower(aten._log_softmax.default, aten.log_softmax.int)
+def log_softmax(x, dim, half_to_float=None):
     return jax.nn.log_softmax(_up(x), axis=dim).astype(ctx_dtype())
 
 
@@ -522,10 +524,12 @@ def fused_lstm_cell_backward(grad_hy, grad_cy, cx, cy, workspace, has_bias):
 
 # ---- resampling -------------------------------------------------------------
 
-def _nearest_matrix(size, out, scale):
-    """(out, size) 0/1 matrix of PyTorch's nearest rule: src = floor(dst * scale)."""
+def _nearest_matrix(size, out, scale, exact=False):
+    """(out, size) 0/1 matrix of PyTorch's nearest rule: src = floor(dst * scale)
+    (nearest-exact: floor((dst + 0.5) * scale)), in float32 as on CPU."""
     s = np.float32(1.0 / scale) if scale else np.float32(size) / np.float32(out)
-    src = np.minimum(np.floor(np.arange(out, dtype=np.float32) * s).astype(np.int64), size - 1)
+    dst = np.arange(out, dtype=np.float32) + (np.float32(0.5) if exact else np.float32(0))
+    src = np.minimum(np.floor(dst * s).astype(np.int64), size - 1)
     m = np.zeros((out, size))
     m[np.arange(out), src] = 1.0
     return m
@@ -548,42 +552,55 @@ def _linear_matrix(size, out, align_corners, scale):
     return m
 
 
-def _resample(x, mh, mw):
-    return jnp.einsum("...hw,oh,pw->...op", x, jnp.asarray(mh, x.dtype), jnp.asarray(mw, x.dtype),
-                      precision=HIGHEST)
+def _resample_mats(mode, in_sizes, out_sizes, align_corners, scales):
+    scales = list(scales) + [None] * (len(out_sizes) - len(scales))
+    if mode == "linear":
+        return [_linear_matrix(i, o, align_corners, sc)
+                for i, o, sc in zip(in_sizes, out_sizes, scales)]
+    return [_nearest_matrix(i, o, sc, exact=mode == "exact")
+            for i, o, sc in zip(in_sizes, out_sizes, scales)]
 
 
-def _resample_t(g, mh, mw):
-    return jnp.einsum("...op,oh,pw->...hw", g, jnp.asarray(mh, g.dtype), jnp.asarray(mw, g.dtype),
-                      precision=HIGHEST)
+def _apply_mats(x, mats, transpose=False):
+    """Apply one (out, in) matrix per trailing dim (its transpose for backward)."""
+    x = _up(x)
+    for i, m in enumerate(mats):
+        axis = x.ndim - len(mats) + i
+        m = jnp.asarray(m.T if transpose else m, x.dtype)
+        x = jnp.moveaxis(jnp.tensordot(x, m, axes=([axis], [1]), precision=HIGHEST), -1, axis)
+    return x
 
 
-@lower(aten.upsample_nearest2d.default)
-def upsample_nearest2d(x, output_size, scales_h=None, scales_w=None):
-    H, W = x.shape[-2:]
-    mh = _nearest_matrix(H, output_size[0], scales_h)
-    mw = _nearest_matrix(W, output_size[1], scales_w)
-    return _resample(_up(x), mh, mw).astype(x.dtype)
+def _upsample_lowerings(op, op_backward, mode, nd):
+    has_align = mode == "linear"
+
+    def forward(x, output_size, *rest):
+        align = rest[0] if has_align else None
+        scales = rest[1:] if has_align else rest
+        mats = _resample_mats(mode, x.shape[-nd:], output_size, align, scales)
+        return _apply_mats(x, mats).astype(x.dtype)
+
+    def backward(grad, output_size, input_size, *rest):
+        align = rest[0] if has_align else None
+        scales = rest[1:] if has_align else rest
+        mats = _resample_mats(mode, input_size[-nd:], output_size, align, scales)
+        return _apply_mats(grad, mats, transpose=True).astype(grad.dtype)
+
+    lower(op)(forward)
+    lower(op_backward)(backward)
 
 
-@lower(aten.upsample_nearest2d_backward.default)
-def upsample_nearest2d_backward(grad, output_size, input_size, scales_h=None, scales_w=None):
-    mh = _nearest_matrix(input_size[2], output_size[0], scales_h)
-    mw = _nearest_matrix(input_size[3], output_size[1], scales_w)
-    return _resample_t(_up(grad), mh, mw).astype(grad.dtype)
-
-
-@lower(aten.upsample_bilinear2d.default)
-def upsample_bilinear2d(x, output_size, align_corners, scales_h=None, scales_w=None):
-    H, W = x.shape[-2:]
-    mh = _linear_matrix(H, output_size[0], align_corners, scales_h)
-    mw = _linear_matrix(W, output_size[1], align_corners, scales_w)
-    return _resample(_up(x), mh, mw).astype(x.dtype)
-
-
-@lower(aten.upsample_bilinear2d_backward.default)
-def upsample_bilinear2d_backward(grad, output_size, input_size, align_corners, scales_h=None,
-                                 scales_w=None):
-    mh = _linear_matrix(input_size[2], output_size[0], align_corners, scales_h)
-    mw = _linear_matrix(input_size[3], output_size[1], align_corners, scales_w)
-    return _resample_t(_up(grad), mh, mw).astype(grad.dtype)
+for _op, _bw, _mode, _nd in [
+        (aten.upsample_nearest1d.default, aten.upsample_nearest1d_backward.default, "nearest", 1),
+        (aten.upsample_nearest2d.default, aten.upsample_nearest2d_backward.default, "nearest", 2),
+        (aten.upsample_nearest3d.default, aten.upsample_nearest3d_backward.default, "nearest", 3),
+        (aten._upsample_nearest_exact1d.default, aten._upsample_nearest_exact1d_backward.default,
+         "exact", 1),
+        (aten._upsample_nearest_exact2d.default, aten._upsample_nearest_exact2d_backward.default,
+         "exact", 2),
+        (aten._upsample_nearest_exact3d.default, aten._upsample_nearest_exact3d_backward.default,
+         "exact", 3),
+        (aten.upsample_linear1d.default, aten.upsample_linear1d_backward.default, "linear", 1),
+        (aten.upsample_bilinear2d.default, aten.upsample_bilinear2d_backward.default, "linear", 2),
+        (aten.upsample_trilinear3d.default, aten.upsample_trilinear3d_backward.default, "linear", 3)]:
+    _upsample_lowerings(_op, _bw, _mode, _nd)
