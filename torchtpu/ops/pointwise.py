@@ -30,6 +30,36 @@ def _is_complex(x):
     return jnp.issubdtype(x.dtype, jnp.complexfloating)
 
 
+_TORCH_NAMES = {"bool": "Bool", "uint8": "Byte", "int8": "Char", "int16": "Short", "int32": "Int",
+                "int64": "Long", "float16": "Half", "bfloat16": "BFloat16", "float32": "Float",
+                "float64": "Double", "complex64": "ComplexFloat", "complex128": "ComplexDouble"}
+
+
+def _rejects(dtype, kinds):
+    dtype = jnp.dtype(dtype)
+    return (("b" in kinds and dtype == jnp.bool_)
+            or ("i" in kinds and jnp.issubdtype(dtype, jnp.integer))
+            or ("f" in kinds and jnp.issubdtype(dtype, jnp.floating))
+            or ("h" in kinds and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))))
+
+
+def guard(name, kinds, exc=NotImplementedError, message=None):
+    """Raise what PyTorch's CPU kernel raises for dtypes it has no kernel
+    for (kinds: b bool, i integer, f floating, h bf16/fp16), judged on the
+    common dtype of the tensor and scalar arguments."""
+    def deco(fn):
+        def lowering(*args, **kwargs):
+            operands = [a for a in args if hasattr(a, "dtype") or type(a) in (int, float, complex)]
+            _, common = promote(*operands)
+            if _rejects(common, kinds):
+                dname = _TORCH_NAMES.get(jnp.dtype(common).name, str(common))
+                raise exc(message or f'"{name}_cpu" not implemented for \'{dname}\'')
+            return fn(*args, **kwargs)
+        lowering.__name__ = fn.__name__
+        return lowering
+    return deco
+
+
 def _unary(jfn, kind=KIND.INT_TO_FLOAT):
     def lowering(x):
         (x,), res = promote(x, kind=kind)
@@ -78,14 +108,17 @@ _FLOAT_UNARY = [
     (aten.special_entr, lambda x: jnp.where(x > 0, -x * jnp.log(jnp.where(x > 0, x, 1)),
                                             jnp.where(x == 0, 0, -jnp.inf)).astype(x.dtype)),
 ]
+_NO_HALF = {aten.special_erfcx, aten.special_ndtri, aten.special_log_ndtr}
 for _op, _fn in _FLOAT_UNARY:
-    lower(_op.default)(_unary(_fn))
+    _l = _unary(_fn)
+    lower(_op.default)(guard(_op.__name__, "h")(_l) if _op in _NO_HALF else _l)
 
 for _op, _fn in [(aten.neg, jnp.negative), (aten.square, jnp.square)]:
     lower(_op.default)(_unary(_fn, KIND.DEFAULT))
 
 
 @lower(aten.abs.default)
+@guard("abs", "b")
 def abs_(x):
     if x.dtype == jnp.bool_:
         return x
@@ -94,7 +127,12 @@ def abs_(x):
 
 @lower(aten.sign.default)
 def sign(x):
-    return x if x.dtype == jnp.bool_ else jnp.sign(x)
+    if x.dtype == jnp.bool_:
+        return x
+    if _is_complex(x):
+        return jnp.sign(x)
+    # (0 < x) - (x < 0), as PyTorch: sign(nan) is 0.
+    return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
 
 
 @lower(aten.sgn.default)
@@ -126,12 +164,15 @@ def _int_identity(jfn):
 
 for _op, _fn in [(aten.floor, jnp.floor), (aten.ceil, jnp.ceil), (aten.trunc, jnp.trunc),
                  (aten.round, jnp.round), (aten.fix, jnp.trunc)]:
-    lower(_op.default)(_int_identity(_fn))
+    lower(_op.default)(guard(_op.__name__, "b")(_int_identity(_fn)))
 
-lower(aten.frac.default)(_int_identity(lambda x: x - jnp.trunc(x)))
+lower(aten.frac.default)(guard("frac", "i")(guard(
+    "frac", "b", RuntimeError, "Subtraction, the `-` operator, with two bool tensors is not supported.")(
+    _int_identity(lambda x: x - jnp.trunc(x)))))
 
 
 @lower(aten.round.decimals)
+@guard("round", "b")
 def round_decimals(x, *, decimals=0):
     if _is_int(x):
         return x
@@ -193,8 +234,18 @@ def add(a, b, alpha=1):
     return (a + b if a.dtype != jnp.bool_ else jnp.logical_or(a, b)).astype(res)
 
 
+_SUB_BOOL = ("Subtraction, the `-` operator, with a bool tensor is not supported. If you are "
+             "trying to invert a mask, use the `~` or `logical_not()` operator instead.")
+
+
+def _is_bool(v):
+    return isinstance(v, bool) or getattr(v, "dtype", None) == jnp.bool_
+
+
 @lower(aten.sub.Tensor, aten.sub.Scalar)
 def sub(a, b, alpha=1):
+    if _is_bool(a) or _is_bool(b):
+        raise RuntimeError(_SUB_BOOL)
     (a, b), res = promote(a, b)
     return (a - _scale(b, alpha)).astype(res)
 
@@ -246,11 +297,16 @@ def div_mode(a, b, *, rounding_mode=None):
     if rounding_mode is None:
         return div(a, b)
     (a, b), res = promote(a, b)
+    if a.dtype == jnp.bool_:
+        if rounding_mode == "floor":
+            raise RuntimeError("torch.bool not supported for floor_divide")
+        raise NotImplementedError(f'"div_{rounding_mode}_cpu" not implemented for \'Bool\'')
     fn = _trunc_div if rounding_mode == "trunc" else _floor_div
     return fn(a, b).astype(res)
 
 
 @lower(aten.floor_divide.default, aten.floor_divide.Scalar)
+@guard("floor_divide", "b", RuntimeError, "torch.bool not supported for floor_divide")
 def floor_divide(a, b):
     (a, b), res = promote(a, b)
     return _floor_div(a, b).astype(res)
@@ -264,12 +320,14 @@ def _remainder(a, b):
 
 
 @lower(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+@guard("remainder", "b")
 def remainder(a, b):
     (a, b), res = promote(a, b)
     return _remainder(a, b).astype(res)
 
 
 @lower(aten.fmod.Tensor, aten.fmod.Scalar)
+@guard("fmod", "b")
 def fmod(a, b):
     (a, b), res = promote(a, b)
     return _fmod(a, b).astype(res)
@@ -277,6 +335,14 @@ def fmod(a, b):
 
 @lower(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)
 def pow_(a, b):
+    if isinstance(b, bool):
+        # PyTorch special-cases exponents 1 (a copy) and 0 (ones), bools included.
+        return a if b else jnp.ones_like(a)
+    return _pow(a, b)
+
+
+@guard("pow", "b")
+def _pow(a, b):
     (a, b), res = promote(a, b, kind=KIND.BOOL_TO_LONG)
     if _is_int(a):
         # Integer powers stay exact (repeated squaring); negative exponents
@@ -288,14 +354,15 @@ def pow_(a, b):
     return jnp.power(a, b).astype(res)
 
 
-for _op, _fn in [(aten.atan2, jnp.arctan2), (aten.arctan2, jnp.arctan2),
-                 (aten.copysign, jnp.copysign), (aten.logaddexp, jnp.logaddexp),
-                 (aten.logaddexp2, jnp.logaddexp2)]:
-    lower(_op.default if "default" in _op.overloads() else _op.Tensor)(_binary(_fn, KIND.INT_TO_FLOAT))
-lower(aten.copysign.Scalar)(_binary(jnp.copysign, KIND.INT_TO_FLOAT))
-
-for _op, _fn in [(aten.hypot, jnp.hypot), (aten.nextafter, jnp.nextafter),
-                 (aten.fmax, jnp.fmax), (aten.fmin, jnp.fmin)]:
+for _op, _fn in [(aten.atan2, jnp.arctan2), (aten.arctan2, jnp.arctan2)]:
+    lower(_op.default)(_binary(_fn, KIND.INT_TO_FLOAT))
+lower(aten.copysign.Tensor, aten.copysign.Scalar)(_binary(jnp.copysign, KIND.INT_TO_FLOAT))
+# Float-only kernels in PyTorch: integer and bool inputs are errors.
+for _op, _fn in [(aten.logaddexp, jnp.logaddexp), (aten.logaddexp2, jnp.logaddexp2)]:
+    lower(_op.default)(guard(_op.__name__, "bi")(_binary(_fn, KIND.INT_TO_FLOAT)))
+for _op, _fn in [(aten.hypot, jnp.hypot), (aten.nextafter, jnp.nextafter)]:
+    lower(_op.default)(guard(_op.__name__, "bi")(_binary(_fn)))
+for _op, _fn in [(aten.fmax, jnp.fmax), (aten.fmin, jnp.fmin)]:
     lower(_op.default)(_binary(_fn))
 
 
@@ -331,18 +398,21 @@ def xlog1py(x, y):
 
 
 @lower(aten.special_zeta.default, aten.special_zeta.self_scalar, aten.special_zeta.other_scalar)
+@guard("zeta", "h")
 def zeta(x, q):
     (x, q), res = promote(x, q, kind=KIND.INT_TO_FLOAT)
     return jss.zeta(x, q).astype(res)
 
 
 @lower(aten.igamma.default)
+@guard("igamma", "bi")
 def igamma(a, x):
     (a, x), res = promote(a, x, kind=KIND.INT_TO_FLOAT)
     return jss.gammainc(a, x).astype(res)
 
 
 @lower(aten.igammac.default)
+@guard("igammac", "bi")
 def igammac(a, x):
     (a, x), res = promote(a, x, kind=KIND.INT_TO_FLOAT)
     return jss.gammaincc(a, x).astype(res)
@@ -350,6 +420,8 @@ def igammac(a, x):
 
 @lower(aten.heaviside.default)
 def heaviside(x, values):
+    if x.dtype != values.dtype:
+        raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes.")
     (x, values), res = promote(x, values)
     return jnp.where(x == 0, values, (x > 0).astype(x.dtype)).astype(res)
 
@@ -386,22 +458,25 @@ for _name, _bfn, _ifn in [("and", jnp.logical_and, jnp.bitwise_and),
                           ("or", jnp.logical_or, jnp.bitwise_or),
                           ("xor", jnp.logical_xor, jnp.bitwise_xor)]:
     _packet = getattr(aten, f"bitwise_{_name}")
-    lower(_packet.Tensor, _packet.Scalar, _packet.Scalar_Tensor)(_bitwise(_bfn, _ifn))
-    _dunder = getattr(aten, f"__{_name}__")
-    lower(_dunder.Tensor, _dunder.Scalar)(_bitwise(_bfn, _ifn))
+    _l = guard(f"bitwise_{_name}", "f")(_bitwise(_bfn, _ifn))
+    lower(_packet.Tensor, _packet.Scalar, _packet.Scalar_Tensor)(_l)
+    lower(getattr(aten, f"__{_name}__").Tensor, getattr(aten, f"__{_name}__").Scalar)(_l)
 
 
 @lower(aten.bitwise_not.default)
+@guard("bitwise_not", "f")
 def bitwise_not(x):
     return jnp.logical_not(x) if x.dtype == jnp.bool_ else jnp.invert(x)
 
 
+@guard("lshift", "bf")
 def _lshift(a, b):
     (a, b), res = promote(a, b)
     # XLA gives 0 for shifts >= the bit width (and negative ones), as PyTorch.
     return lax.shift_left(a, b).astype(res)
 
 
+@guard("rshift", "bf")
 def _rshift(a, b):
     (a, b), res = promote(a, b)
     if jnp.issubdtype(a.dtype, jnp.unsignedinteger):
@@ -418,6 +493,7 @@ lower(aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
 # ---- selection, clamping, interpolation -----------------------------------
 
 @lower(aten.clamp.default, aten.clamp.Tensor)
+@guard("clamp", "b")
 def clamp(x, min=None, max=None):
     (x, lo, hi), res = promote(x, min, max)
     # maximum/minimum propagate NaN (input or bound); min > max gives max.
@@ -445,6 +521,7 @@ def where(cond, a, b):
 
 
 @lower(aten.lerp.Scalar, aten.lerp.Tensor)
+@guard("lerp_kernel_scalar", "bi")
 def lerp(start, end, weight):
     (start, end, weight), res = promote(start, end, weight)
     diff = end - start
@@ -507,6 +584,7 @@ def _opmath(*xs):
 
 
 @lower(aten.relu.default)
+@guard("relu", "b", RuntimeError, "Boolean inputs not supported for relu")
 def relu(x):
     return jnp.maximum(x, jnp.zeros((), x.dtype)) if x.dtype != jnp.bool_ else x
 
@@ -667,7 +745,7 @@ def hardswish(x):
 @lower(aten.hardswish_backward.default)
 def hardswish_backward(grad, x):
     (grad, x), res = _opmath(grad, x)
-    out = jnp.where(x < -3, 0, jnp.where(x <= 3, grad * (x / 3 + 0.5), grad))
+    out = jnp.where(x <= -3, 0, jnp.where(x < 3, grad * (x / 3 + 0.5), grad))
     return out.astype(res)
 
 
@@ -734,7 +812,7 @@ def _foreach(elem, per_item=()):
     the rest passed to every call; `per_item` names tensor arguments whose
     i-th element goes to the i-th call (addcmul.Tensor's scalars)."""
     def lowering(*args, **kwargs):
-        n = len(args[0])
+        n = len(next(x for x in args if isinstance(x, list)))
         out = []
         for i in range(n):
             a = [x[i] if isinstance(x, list) else x for x in args]
@@ -755,8 +833,11 @@ def _elementwise(name):
 
 
 def _register_foreach():
-    for name in dir(aten):
-        if not name.startswith("_foreach_") or name.endswith("_"):
+    # dir(aten) lists only the packets loaded so far; ask the dispatcher.
+    names = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith("aten::_foreach_")}
+    for name in sorted(names):
+        if name.endswith("_"):
             continue
         base = name[len("_foreach_"):]
         if base in ("norm", "copy", "zero", "max", "pow", "addcmul", "addcdiv"):
@@ -796,6 +877,11 @@ lower(aten._foreach_addcdiv.Scalar, aten._foreach_addcdiv.ScalarList,
 @lower(aten._foreach_zero.default)
 def foreach_zero(self):
     return [jnp.zeros_like(x) for x in self]
+
+
+@lower(aten._foreach_clone.default)
+def foreach_clone(self):
+    return list(self)
 
 
 @lower(aten._foreach_copy.default)
