@@ -48,6 +48,8 @@ def parse():
     p.add_argument("--from-json", help="report on results from an earlier --json instead of running")
     p.add_argument("--merge", help="results of an earlier --json to update with this run's "
                    "(re-check a few ops, then regenerate the full report and expected list)")
+    p.add_argument("--recheck", help="with --merge: re-run only the merged entries with these "
+                   "statuses (e.g. fail,fallback), plus any --ops")
     p.add_argument("--markdown", help="write the coverage report as markdown (docs/ops.md)")
     p.add_argument("--write-expected", help="write the expected-failure file (tests/opinfo_expected.py)")
     p.add_argument("--fails-only", action="store_true", help="print only failing/fallback rows")
@@ -59,12 +61,22 @@ def parse():
 
 
 def jobs_of(args):
-    from opinfo_common import DTYPES, select_ops
-    ops = select_ops(args.ops.split(",") if args.ops else None, args.family)
+    from opinfo_common import DTYPES, op_id, select_ops
+    ops = select_ops(args.ops.split(",") if args.ops and not args.recheck else None, args.family)
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     jobs = [(op, dt, "forward") for op in ops for dt in dtypes]
     if args.grad:
         jobs += [(op, DTYPES["float32"], "backward") for op in ops]
+    if args.recheck and args.merge:
+        from opinfo_common import OPS
+        with open(args.merge) as f:
+            base = json.load(f)["results"]
+        want = set(args.recheck.split(","))
+        keys = {(d["op"], d["dtype"], d["kind"]) for d in base if d["status"] in want}
+        named = set(args.ops.split(",")) if args.ops else set()
+        jobs = [j for j in jobs if j[0].name in named or op_id(j[0]) in named]
+        jobs += [(OPS[o], DTYPES[dt], kind) for o, dt, kind in sorted(keys)
+                 if o not in named and OPS[o].name not in named]
     # Group by op so the shards balance the expensive families.
     jobs.sort(key=lambda j: (j[0].name, j[1] != DTYPES["float32"], j[2]))
     return jobs
