@@ -43,6 +43,12 @@ def _truth(x):
     return x if x.dtype == jnp.bool_ else x != 0
 
 
+def _require(ok, exc, message):
+    """Raise what PyTorch raises for an input dtype its kernel rejects."""
+    if not ok:
+        raise exc(message)
+
+
 def _numel(x, axes):
     n = 1
     for a in axes:
@@ -115,22 +121,24 @@ def _arg(jfn, x, dim, keepdim):
 
 @lower(aten.argmax.default)
 def argmax(x, dim=None, keepdim=False):
+    _require(x.dtype != jnp.bool_, RuntimeError, "argmax(): does not support bool input")
     return _arg(jnp.argmax, x, dim, keepdim).astype(jnp.int64)
 
 
 @lower(aten.argmin.default)
 def argmin(x, dim=None, keepdim=False):
+    _require(x.dtype != jnp.bool_, RuntimeError, "argmin(): does not support bool input")
     return _arg(jnp.argmin, x, dim, keepdim).astype(jnp.int64)
 
 
 @lower(aten.max.dim)
 def max_dim(x, dim, keepdim=False):
-    return amax(x, dim, keepdim), argmax(x, dim, keepdim)
+    return amax(x, dim, keepdim), _arg(jnp.argmax, x, dim, keepdim).astype(jnp.int64)
 
 
 @lower(aten.min.dim)
 def min_dim(x, dim, keepdim=False):
-    return amin(x, dim, keepdim), argmin(x, dim, keepdim)
+    return amin(x, dim, keepdim), _arg(jnp.argmin, x, dim, keepdim).astype(jnp.int64)
 
 
 @lower(aten.aminmax.default)
@@ -141,6 +149,8 @@ def aminmax(x, *, dim=None, keepdim=False):
 # ---- moments ----------------------------------------------------------------
 
 def _var_mean(x, dim, correction, keepdim):
+    _require(jnp.issubdtype(x.dtype, jnp.inexact), RuntimeError,
+             "std and var only support floating point and complex dtypes")
     (x,), _ = promote(x, kind=KIND.COMPLEX_TO_FLOAT)
     axes = _axes(x, dim)
     n = _numel(x, axes)
@@ -241,6 +251,18 @@ def foreach_norm(tensors, ord=2, dtype=None):
 foreach_norm.static_args = ("ord",)
 
 
+@lower(aten._foreach_powsum.Scalar)
+def foreach_powsum(tensors, ord=2, dtype=None):
+    from . import ctx
+    out = []
+    for x, m in zip(tensors, ctx.out):
+        acc = _acc(jdt(m.dtype))
+        a = jnp.abs(x)
+        a = (a.real if jnp.iscomplexobj(a) else a).astype(acc)
+        out.append(jnp.sum(a ** ord).astype(jdt(m.dtype)))
+    return out
+
+
 @lower(aten._foreach_max.default)
 def foreach_max(tensors):
     return [jnp.max(x) for x in tensors]
@@ -264,6 +286,8 @@ lower(aten.cumprod.default)(_scan(jnp.cumprod))
 
 @lower(aten.logcumsumexp.default)
 def logcumsumexp(x, dim):
+    _require(jnp.issubdtype(x.dtype, jnp.inexact), NotImplementedError,
+             f'"logcumsumexp_out_cpu" not implemented for \'{x.dtype}\'')
     (x,), res = promote(x, kind=KIND.INT_TO_FLOAT)
     if x.ndim == 0:
         return x.astype(res)
@@ -357,6 +381,7 @@ def _pick(v, i, pos, dim, keepdim):
 
 @lower(aten.kthvalue.default)
 def kthvalue(x, k, dim=-1, keepdim=False):
+    _require(x.dtype != jnp.bool_, NotImplementedError, '"kthvalue_cpu" not implemented for \'Bool\'')
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
@@ -365,6 +390,7 @@ def kthvalue(x, k, dim=-1, keepdim=False):
 
 
 def _median(x, dim, keepdim, ignore_nan):
+    _require(x.dtype != jnp.bool_, NotImplementedError, '"median_cpu" not implemented for \'Bool\'')
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim

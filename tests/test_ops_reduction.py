@@ -1,0 +1,207 @@
+"""Reduction, scan and sort lowerings against PyTorch on CPU: values, dtypes
+(int sums are int64), NaN propagation, index tie-breaking, keepdim/dtype
+arguments, non-contiguous inputs, out= and autograd."""
+import pytest
+import torch
+
+import torchtpu
+from conftest import assert_same
+
+F32, F64, BF16, I64, I32, U8, BOOL = (torch.float32, torch.float64, torch.bfloat16,
+                                      torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def make(dtype, shape=(3, 5), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == BOOL:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=F64).to(dtype)
+    return torch.randint(0 if dtype == U8 else -4, 5, shape, generator=g, dtype=dtype)
+
+
+def check(fn, *args, **kw):
+    try:
+        expected = fn(*args)
+    except RuntimeError:  # NotImplementedError included
+        with pytest.raises(RuntimeError):
+            fn(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
+        return
+    got = fn(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
+    if isinstance(expected, tuple):
+        got, expected = tuple(got), tuple(expected)
+    assert_same(got, expected, **kw)
+
+
+def _tol(dtype):
+    return dict(atol=3e-2, rtol=2e-2) if dtype == BF16 else dict(atol=1e-5, rtol=1e-5)
+
+
+REDUCTIONS = [
+    ("sum", lambda x: x.sum()), ("sum_dim", lambda x: x.sum(1)), ("sum_keep", lambda x: x.sum((0, 1), keepdim=True)),
+    ("sum_dtype", lambda x: x.sum(0, dtype=torch.float64)), ("mean", lambda x: x.mean()),
+    ("mean_dim", lambda x: x.mean(-1, keepdim=True)), ("mean_dtype", lambda x: x.mean(0, dtype=torch.float64)),
+    ("prod", lambda x: x.prod()), ("prod_dim", lambda x: x.prod(1)), ("nansum", lambda x: x.nansum(1)),
+    ("amax", lambda x: x.amax(1)), ("amin", lambda x: x.amin((0, 1))), ("max", lambda x: x.max()),
+    ("min", lambda x: x.min()), ("max_dim", lambda x: x.max(1)), ("min_dim", lambda x: x.min(0, keepdim=True)),
+    ("argmax", lambda x: x.argmax()), ("argmax_dim", lambda x: x.argmax(1)),
+    ("argmin_keep", lambda x: x.argmin(0, keepdim=True)), ("aminmax", lambda x: torch.aminmax(x)),
+    ("aminmax_dim", lambda x: torch.aminmax(x, dim=1)), ("any", lambda x: x.any()),
+    ("any_dim", lambda x: x.any(1)), ("all", lambda x: x.all()), ("all_dims", lambda x: x.all(dim=(0, 1))),
+    ("count_nonzero", lambda x: torch.count_nonzero(x)), ("count_nonzero_dim", lambda x: torch.count_nonzero(x, 0)),
+    ("var", lambda x: x.var()), ("var_dim", lambda x: x.var(1, correction=0)), ("std", lambda x: x.std(0)),
+    ("std_keep", lambda x: x.std(1, keepdim=True, correction=2)), ("var_mean", lambda x: torch.var_mean(x, 1)),
+    ("std_mean", lambda x: torch.std_mean(x)), ("logsumexp", lambda x: x.logsumexp(1)),
+    ("norm", lambda x: x.norm()), ("norm_p1", lambda x: x.norm(1, dim=1)), ("norm_p3", lambda x: x.norm(3)),
+    ("vector_norm_inf", lambda x: torch.linalg.vector_norm(x, float("inf"), dim=0)),
+    ("vector_norm_ninf", lambda x: torch.linalg.vector_norm(x, float("-inf"))),
+    ("vector_norm_0", lambda x: torch.linalg.vector_norm(x, 0, dim=1)),
+    ("vector_norm_keep", lambda x: torch.linalg.vector_norm(x, 2, dim=(0, 1), keepdim=True)),
+    ("cumsum", lambda x: x.cumsum(1)), ("cumsum_dtype", lambda x: x.cumsum(0, dtype=torch.float64)),
+    ("cumprod", lambda x: x.cumprod(1)), ("cummax", lambda x: x.cummax(1)), ("cummin", lambda x: x.cummin(0)),
+    ("logcumsumexp", lambda x: x.logcumsumexp(1)),
+    ("sort", lambda x: x.sort(1)), ("sort_desc", lambda x: x.sort(0, descending=True)),
+    ("sort_stable", lambda x: torch.sort(x, stable=True, dim=1)),
+    ("sort_stable_desc", lambda x: torch.sort(x, stable=True, dim=1, descending=True)),
+    ("argsort", lambda x: x.argsort(dim=1, stable=True)), ("msort", lambda x: torch.msort(x)),
+    ("median", lambda x: x.median()), ("median_dim", lambda x: x.median(1)),
+    ("nanmedian_dim", lambda x: x.nanmedian(0)), ("kthvalue", lambda x: x.kthvalue(2, 1)),
+]
+ORDER_STAT = {"median_dim", "nanmedian_dim", "kthvalue"}  # tie index is unspecified
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, I64, BOOL, U8], ids=str)
+@pytest.mark.parametrize("name,fn", REDUCTIONS, ids=[r[0] for r in REDUCTIONS])
+def test_reduction(name, fn, dtype):
+    if name in ORDER_STAT and not dtype.is_floating_point:
+        pytest.skip("ties: PyTorch leaves which index unspecified")
+    check(fn, make(dtype), **_tol(dtype))
+
+
+@pytest.mark.parametrize("name,fn", REDUCTIONS, ids=[r[0] for r in REDUCTIONS])
+def test_reduction_noncontiguous(name, fn):
+    x = make(F32, (5, 6))
+    check(lambda t: fn(t.t()[:, ::2]), x)
+
+
+def test_int_sum_is_int64_and_exact():
+    x = torch.tensor([2 ** 60, 3, -(2 ** 59)], dtype=I64)
+    check(lambda t: t.sum(), x)
+    check(lambda t: t.cumsum(0), x)
+    check(lambda t: t.sum(), torch.tensor([100, 100, 100], dtype=torch.int8))  # int8 -> int64, no wrap
+    check(lambda t: t.prod(), torch.tensor([3, 5, 7], dtype=I32))
+    check(lambda t: t.sum(), torch.ones(7, dtype=BOOL))
+    check(lambda t: t.sum(dtype=torch.int32), torch.ones(7, dtype=BOOL))
+
+
+def test_mean_of_int_is_an_error():
+    with pytest.raises(RuntimeError):
+        make(I64).to("tpu").mean()
+
+
+def test_nan_propagation_and_first_index():
+    nan = float("nan")
+    x = torch.tensor([[1.0, nan, 3.0, nan], [2.0, 5.0, 4.0, 1.0], [-1.0, -2.0, 0.0, -3.0]])
+    for fn in (lambda t: t.max(), lambda t: t.min(), lambda t: t.amax(1), lambda t: t.amin(1),
+               lambda t: t.max(1), lambda t: t.min(1), lambda t: t.argmax(1), lambda t: t.argmin(1),
+               lambda t: t.argmax(), lambda t: torch.aminmax(t, dim=1), lambda t: t.sum(1),
+               lambda t: t.cummax(1), lambda t: t.cummin(1), lambda t: t.sort(1), lambda t: t.sort(1, descending=True),
+               lambda t: t.sort(dim=1, stable=True, descending=True), lambda t: t.topk(2, 1),
+               lambda t: t.topk(2, 1, largest=False), lambda t: t.median(1), lambda t: t.median(),
+               lambda t: t.nanmedian(1), lambda t: t.nanmedian(), lambda t: t.logsumexp(1),
+               lambda t: t.nansum(1), lambda t: t.norm(dim=1), lambda t: t.var(1)):
+        check(fn, x, equal_nan=True)
+
+
+def test_ties_and_signed_zero():
+    x = torch.tensor([[3.0, 1.0, 3.0, 0.0, -0.0, 1.0, 3.0]])
+    check(lambda t: t.argmax(1), x)
+    check(lambda t: t.max(1), x)
+    check(lambda t: t.argmin(1), x)
+    check(lambda t: t.cummax(1), x)  # the last index of equal maxima
+    check(lambda t: t.cummin(1), x)
+    check(lambda t: t.sort(dim=1, stable=True), x)
+    check(lambda t: t.sort(dim=1, stable=True, descending=True), x)
+    check(lambda t: t.argsort(dim=1, stable=True, descending=True), torch.tensor([[1, 2, 1, 2, 0, 2]]))
+
+
+def test_infinities():
+    inf = float("inf")
+    x = torch.tensor([[inf, 1.0, 2.0], [-inf, -inf, -inf], [inf, -inf, 0.0]])
+    for fn in (lambda t: t.logsumexp(1), lambda t: t.logcumsumexp(1), lambda t: t.sum(1),
+               lambda t: torch.linalg.vector_norm(t, dim=1), lambda t: t.amax(1)):
+        check(fn, x, equal_nan=True)
+
+
+def test_zero_dim_and_empty():
+    s = torch.tensor(2.5)
+    for fn in (lambda t: t.sum(), lambda t: t.sum(0), lambda t: t.max(0), lambda t: t.argmax(),
+               lambda t: t.argmax(0, keepdim=True), lambda t: t.cumsum(0), lambda t: t.sort(),
+               lambda t: t.var(correction=0), lambda t: t.logsumexp(0), lambda t: t.amax(-1),
+               lambda t: t.topk(1), lambda t: t.cummax(0), lambda t: t.norm()):
+        check(fn, s)
+    e = torch.zeros(0, 3)
+    for fn in (lambda t: t.sum(0), lambda t: t.prod(0), lambda t: t.mean(0), lambda t: t.amax(1),
+               lambda t: t.any(0), lambda t: t.all(0), lambda t: t.cumsum(0), lambda t: t.sort(0),
+               lambda t: t.logsumexp(0), lambda t: t.norm(dim=0)):
+        check(fn, e, equal_nan=True)
+    with pytest.raises(RuntimeError):
+        e.to("tpu").amax(0)
+    with pytest.raises(IndexError):
+        make(F32).to("tpu").sum(5)
+
+
+def test_topk():
+    x = torch.randperm(40, generator=torch.Generator().manual_seed(1)).reshape(5, 8).float()
+    for fn in (lambda t: t.topk(3), lambda t: t.topk(3, largest=False), lambda t: t.topk(2, dim=0),
+               lambda t: t.topk(8, 1), lambda t: t.topk(0, 1)):
+        check(fn, x)
+        check(fn, x.long())
+        check(fn, x.to(BF16))
+    check(lambda t: t.topk(3), x.t())
+
+
+def test_out_and_in_place_variants():
+    x = make(F32)
+    xt = x.to("tpu")
+    out = torch.empty(3, device="tpu")
+    r = torch.sum(xt, 1, out=out)
+    assert r is out
+    assert_same(out, x.sum(1))
+    vals, idx = torch.empty(3, device="tpu"), torch.empty(3, dtype=I64, device="tpu")
+    torch.max(xt, 1, out=(vals, idx))
+    assert_same((vals, idx), tuple(x.max(1)))
+    c = xt.clone()
+    c.cumsum_(1)
+    assert_same(c, x.cumsum(1))
+
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("sum", lambda x: x.sum(1).pow(2).sum()), ("mean", lambda x: (x.mean(0) ** 2).sum()),
+    ("prod", lambda x: x.prod(1).sum()), ("amax", lambda x: x.amax(1).sum()),
+    ("max_dim", lambda x: x.max(1).values.sum()), ("var", lambda x: x.var(1).sum()),
+    ("std", lambda x: x.std()), ("norm", lambda x: x.norm()), ("norm1", lambda x: x.norm(1, dim=0).sum()),
+    ("logsumexp", lambda x: x.logsumexp(1).sum()), ("cumsum", lambda x: (x.cumsum(1) ** 2).sum()),
+    ("cumprod", lambda x: x.cumprod(1).sum()), ("sort", lambda x: (x.sort(1).values * torch.arange(5.0, device=x.device)).sum()),
+    ("topk", lambda x: x.topk(2).values.sum()), ("cummax", lambda x: x.cummax(1).values.sum()),
+    ("logcumsumexp", lambda x: x.logcumsumexp(1).sum()), ("median", lambda x: x.median(1).values.sum()),
+])
+def test_autograd(name, fn):
+    x = make(F32)
+    xc = x.clone().requires_grad_()
+    xt = x.to("tpu").requires_grad_()
+    fn(xc).backward()
+    fn(xt).backward()
+    assert_same(xt.grad, xc.grad)
+
+
+def test_no_cpu_fallback_for_core_reductions():
+    x = make(F32).to("tpu")
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    for fn in (lambda t: t.sum(), lambda t: t.mean(1), lambda t: t.var(0), lambda t: t.max(1),
+               lambda t: t.argmax(), lambda t: t.sort(), lambda t: t.topk(2), lambda t: t.cumsum(0),
+               lambda t: t.norm(), lambda t: t.logsumexp(1), lambda t: torch.std_mean(t, 1), lambda t: t.median(1),
+               lambda t: t.any(), lambda t: torch._foreach_norm([t, t])):
+        fn(x)
+    assert dict(torchtpu.metrics.M.cpu_fallbacks) == before
