@@ -202,12 +202,29 @@ def logit_backward(grad, x, eps=None):
     return g.astype(res)
 
 
+def _trigamma(x):
+    """PyTorch's trigamma: reflection below 0.5, six recurrence steps, then
+    the asymptotic series (jax's polygamma(1, x) is wrong for x < 0)."""
+    neg = x < 0.5
+    sin_pi_x = jnp.sin(jnp.pi * x)
+    result = jnp.where(neg, -(jnp.pi * jnp.pi) / (sin_pi_x * sin_pi_x), 0).astype(x.dtype)
+    x = jnp.where(neg, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    result = result + (1 + 1 / (2 * x) + ixx * (1. / 6 - ixx * (1. / 30 - ixx * (1. / 42)))) / x
+    return jnp.where(neg, -result, result)
+
+
 @lower(aten.polygamma.default)
 def polygamma(n, x):
     (x,), res = promote(x, kind=KIND.INT_TO_FLOAT)
     if n == 0:
         return _digamma(x).astype(res)
-    return jss.polygamma(n, x).astype(res)
+    if n == 1:
+        return _trigamma(x).astype(res)
+    return (((-1.0) ** (n + 1)) * math.factorial(n) * _zeta(jnp.asarray(n + 1.0, x.dtype), x)).astype(res)
 
 
 @lower(aten.mvlgamma.default)
@@ -397,11 +414,18 @@ def xlog1py(x, y):
     return _xlogy(x, y, jnp.log1p)
 
 
+def _zeta(x, q):
+    # Cephes (PyTorch): inf at x = 1 and at the poles q = 0, -1, ...; nan for x < 1.
+    pole = (x == 1) | ((q <= 0) & (q == jnp.floor(q)))
+    out = jnp.where(pole, jnp.inf, jss.zeta(x, q))
+    return jnp.where(x < 1, jnp.nan, out).astype(q.dtype)
+
+
 @lower(aten.special_zeta.default, aten.special_zeta.self_scalar, aten.special_zeta.other_scalar)
 @guard("zeta", "h")
 def zeta(x, q):
     (x, q), res = promote(x, q, kind=KIND.INT_TO_FLOAT)
-    return jss.zeta(x, q).astype(res)
+    return _zeta(x, q).astype(res)
 
 
 @lower(aten.igamma.default)
@@ -492,26 +516,35 @@ lower(aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
 
 # ---- selection, clamping, interpolation -----------------------------------
 
-@lower(aten.clamp.default, aten.clamp.Tensor)
-@guard("clamp", "b")
 def clamp(x, min=None, max=None):
     (x, lo, hi), res = promote(x, min, max)
     # maximum/minimum propagate NaN (input or bound); min > max gives max.
+    if x.dtype == jnp.bool_:
+        lo_fn, hi_fn = jnp.logical_or, jnp.logical_and
+    else:
+        lo_fn, hi_fn = jnp.maximum, jnp.minimum
     if lo is not None:
-        x = jnp.maximum(x, lo)
+        x = lo_fn(x, lo)
     if hi is not None:
-        x = jnp.minimum(x, hi)
+        x = hi_fn(x, hi)
     return x.astype(res)
 
 
-@lower(aten.clamp_min.default, aten.clamp_min.Tensor)
+@lower(aten.clamp_min.Tensor)
 def clamp_min(x, min):
     return clamp(x, min, None)
 
 
-@lower(aten.clamp_max.default, aten.clamp_max.Tensor)
+@lower(aten.clamp_max.Tensor)
 def clamp_max(x, max):
     return clamp(x, None, max)
+
+
+# PyTorch's CPU kernels take bool only in clamp_min/clamp_max with tensor bounds.
+lower(aten.clamp.default)(guard("clamp_scalar", "b")(clamp))
+lower(aten.clamp.Tensor)(guard("clamp", "b")(clamp))
+lower(aten.clamp_min.default)(guard("clamp_min_scalar", "b")(clamp_min))
+lower(aten.clamp_max.default)(guard("clamp_max_scalar", "b")(clamp_max))
 
 
 @lower(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
