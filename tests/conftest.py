@@ -59,3 +59,48 @@ def run_both(fn, *cpu_args):
     tpu_args = [a.to("tpu") if isinstance(a, torch.Tensor) else a for a in cpu_args]
     cpu_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in cpu_args]
     return fn(*tpu_args), fn(*cpu_args), tpu_args, cpu_args
+
+
+def make(dtype, shape=(3, 4), seed=0, low=-5, high=6):
+    """A reproducible CPU tensor: normal floats/complex, ints in [low, high)
+    (from 0 for unsigned), random bools."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(0 if dtype == torch.uint8 else low, high, shape, generator=g, dtype=dtype)
+
+
+def compare(fn, *args, grad=True, atol=None, rtol=None, fallback_ok=False, allowed_fallbacks=()):
+    """fn on CPU and tpu: outputs, and the gradients of every float input
+    through a fixed random weighting of the outputs; unless fallback_ok,
+    nothing but allowed_fallbacks may run on the CPU fallback."""
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    cpu = [a.detach().clone().requires_grad_(grad and a.is_floating_point())
+           if isinstance(a, torch.Tensor) else a for a in args]
+    dev = [a.detach().to("tpu").requires_grad_(grad and a.is_floating_point())
+           if isinstance(a, torch.Tensor) else a for a in args]
+    out_c, out_d = fn(*cpu), fn(*dev)
+    tol = {} if atol is None else {"atol": atol, "rtol": rtol}
+    assert_same(out_d, out_c, **tol)
+    outs_c = out_c if isinstance(out_c, (tuple, list)) else [out_c]
+    outs_d = out_d if isinstance(out_d, (tuple, list)) else [out_d]
+    pairs = [(c, d) for c, d in zip(outs_c, outs_d)
+             if isinstance(c, torch.Tensor) and c.requires_grad]
+    if pairs:
+        ws = [torch.randn(c.shape, dtype=c.dtype) for c, _ in pairs]
+        sum((c * w).sum() for (c, _), w in zip(pairs, ws)).backward()
+        sum((d * w.to("tpu")).sum() for (_, d), w in zip(pairs, ws)).backward()
+        for c, d in zip(cpu, dev):
+            if isinstance(c, torch.Tensor) and c.requires_grad:
+                assert_same(d.grad, c.grad, **tol)
+    if not fallback_ok:
+        after = dict(torchtpu.metrics.M.cpu_fallbacks)
+        for name in allowed_fallbacks:
+            after.pop(name, None)
+            before.pop(name, None)
+        assert after == before, "ran on the CPU fallback"
+    return out_d

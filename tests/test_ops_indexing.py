@@ -6,19 +6,12 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
-from conftest import assert_same
+from conftest import assert_same, make
 
 F32, F64, BF16, I64, I32, BOOL = (torch.float32, torch.float64, torch.bfloat16,
                                   torch.int64, torch.int32, torch.bool)
 
 
-def make(dtype, shape=(3, 4), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if dtype == BOOL:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=F64).to(dtype)
-    return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
 
 
 def tpu(x):

@@ -3,40 +3,17 @@ with no CPU fallback."""
 import pytest
 import torch
 
-import torchtpu
-from conftest import assert_same, to_cpu
+from conftest import compare as _compare
+
+
+def compare(fn, *args, **kw):
+    # Raising on bad input needs the info value on the host: that check
+    # alone runs on CPU, by design.
+    return _compare(fn, *args, allowed_fallbacks=("aten._linalg_check_errors.default",), **kw)
 
 DEV = "tpu"
 
 
-def compare(fn, *args, grad=True, atol=None, rtol=None, **kw):
-    """fn on CPU and tpu: outputs and (for float inputs) input gradients of
-    the sum of all outputs; asserts nothing ran on the CPU fallback."""
-    before = dict(torchtpu.metrics.M.cpu_fallbacks)
-    cpu = [a.detach().clone().requires_grad_(grad and a.is_floating_point())
-           if isinstance(a, torch.Tensor) else a for a in args]
-    dev = [a.detach().to(DEV).requires_grad_(grad and a.is_floating_point())
-           if isinstance(a, torch.Tensor) else a for a in args]
-    out_c, out_d = fn(*cpu), fn(*dev)
-    tol = {} if atol is None else {"atol": atol, "rtol": rtol}
-    assert_same(out_d, out_c, **tol)
-    outs_c = out_c if isinstance(out_c, (tuple, list)) else [out_c]
-    outs_d = out_d if isinstance(out_d, (tuple, list)) else [out_d]
-    diff = [(c, d) for c, d in zip(outs_c, outs_d)
-            if isinstance(c, torch.Tensor) and c.requires_grad]
-    if diff:
-        sum(c.sum() for c, _ in diff).backward()
-        sum(d.sum() for _, d in diff).backward()
-        for c, d in zip(cpu, dev):
-            if isinstance(c, torch.Tensor) and c.requires_grad:
-                assert_same(d.grad, c.grad, **tol)
-    after = dict(torchtpu.metrics.M.cpu_fallbacks)
-    # Raising on bad input needs the info value on the host: that check alone
-    # runs on CPU, by design.
-    after.pop("aten._linalg_check_errors.default", None)
-    before.pop("aten._linalg_check_errors.default", None)
-    assert after == before, "ran on the CPU fallback"
-    return out_d
 
 
 def r(*shape, dtype=torch.float32):

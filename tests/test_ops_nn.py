@@ -4,37 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import torchtpu
-from conftest import assert_same
+from conftest import assert_same, compare
 
 DEV = "tpu"
 
 
-def compare(fn, *args, grad=True, atol=None, rtol=None, fallback_ok=False):
-    """fn on CPU and tpu: outputs and the gradients of every float input
-    (through a fixed random weighting of the outputs); no CPU fallback."""
-    before = dict(torchtpu.metrics.M.cpu_fallbacks)
-    cpu = [a.detach().clone().requires_grad_(grad and a.is_floating_point())
-           if isinstance(a, torch.Tensor) else a for a in args]
-    dev = [a.detach().to(DEV).requires_grad_(grad and a.is_floating_point())
-           if isinstance(a, torch.Tensor) else a for a in args]
-    out_c, out_d = fn(*cpu), fn(*dev)
-    tol = {} if atol is None else {"atol": atol, "rtol": rtol}
-    assert_same(out_d, out_c, **tol)
-    outs_c = out_c if isinstance(out_c, (tuple, list)) else [out_c]
-    outs_d = out_d if isinstance(out_d, (tuple, list)) else [out_d]
-    pairs = [(c, d) for c, d in zip(outs_c, outs_d)
-             if isinstance(c, torch.Tensor) and c.requires_grad]
-    if pairs:
-        ws = [torch.randn(c.shape, dtype=c.dtype) for c, _ in pairs]
-        sum((c * w).sum() for (c, _), w in zip(pairs, ws)).backward()
-        sum((d * w.to(DEV)).sum() for (_, d), w in zip(pairs, ws)).backward()
-        for c, d in zip(cpu, dev):
-            if isinstance(c, torch.Tensor) and c.requires_grad:
-                assert_same(d.grad, c.grad, **tol)
-    if not fallback_ok:
-        assert dict(torchtpu.metrics.M.cpu_fallbacks) == before, "ran on the CPU fallback"
-    return out_d
 
 
 def r(*shape, dtype=torch.float32):

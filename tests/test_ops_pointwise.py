@@ -1,6 +1,5 @@
 """Pointwise lowerings against PyTorch on CPU: values, dtypes, shapes,
 non-contiguous inputs, in-place/out= variants, autograd and _foreach_ ops."""
-import math
 
 import pytest
 import torch

@@ -5,19 +5,18 @@ import pytest
 import torch
 
 import torchtpu
+import conftest
 from conftest import assert_same
 
 F32, F64, BF16, I64, I32, U8, BOOL = (torch.float32, torch.float64, torch.bfloat16,
                                       torch.int64, torch.int32, torch.uint8, torch.bool)
 
 
+
+
 def make(dtype, shape=(3, 5), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    if dtype == BOOL:
-        return torch.rand(shape, generator=g) > 0.5
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=g, dtype=F64).to(dtype)
-    return torch.randint(0 if dtype == U8 else -4, 5, shape, generator=g, dtype=dtype)
+    # Small ints keep products and sums exact in every integer dtype.
+    return conftest.make(dtype, shape, seed, low=-4, high=5)
 
 
 def check(fn, *args, **kw):

@@ -15,7 +15,6 @@ import re
 import weakref
 
 import jax.numpy as jnp
-import numpy as np
 import torch
 from jax import lax
 

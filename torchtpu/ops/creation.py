@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from . import lower
-from .util import ctx_dtype, jdt
+from .util import ctx_dtype
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import ctx, lower
-from .util import ctx_dtype, jdt
+from .util import ctx_dtype
 
 aten = torch.ops.aten
 
