@@ -1,4 +1,8 @@
 """Bad input raises PyTorch's exception types, at the user's line."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -96,3 +100,28 @@ def test_error_points_at_user_line(debug_mode):
         user_line()
     frames = [f.name for f in traceback.extract_tb(err.value.__traceback__)]
     assert "user_line" in frames
+
+
+def test_error_in_a_backward_op_names_the_op(tmp_path):
+    """Backward ops for the tpu device run on the autograd engine's device
+    thread, from which torch 2.13 cannot carry the exception back intact; the
+    message still reaches the user, and the backward pass never succeeds."""
+    script = tmp_path / "bad_backward.py"
+    script.write_text(
+        "import torch, torchtpu\n"
+        "from torchtpu.ops import LOWERINGS\n"
+        "def bad(*a, **k):\n"
+        "    raise ValueError('lowering exploded')\n"
+        "LOWERINGS[torch.ops.aten.threshold_backward.default] = bad\n"
+        "x = torch.randn(5, device='tpu', requires_grad=True)\n"
+        "try:\n"
+        "    torch.relu(x).sum().backward()\n"
+        "except Exception as e:\n"
+        "    print('raised', type(e).__name__)\n"
+        "else:\n"
+        "    print('no error')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=dict(os.environ, TORCHTPU_CACHE_DIR="off"), timeout=300)
+    assert "aten.threshold_backward.default failed" in proc.stderr
+    assert "lowering exploded" in proc.stderr
+    assert "no error" not in proc.stdout
