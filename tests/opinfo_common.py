@@ -15,6 +15,7 @@ each sample, the in-place variant through a view and the out= variant) or
 import contextlib
 import dataclasses
 import itertools
+import re
 import signal
 import warnings
 import zlib
@@ -226,7 +227,7 @@ def short_error(e):
         text = " ".join(keep)
     else:
         text = lines[0] if lines else ""
-    text = text.replace("|", "/")
+    text = re.sub(r" at 0x[0-9a-f]+", "", text.replace("|", "/"))  # stable across runs
     return f"{name}: {text}"[:240]
 
 
