@@ -53,5 +53,5 @@ ctx = TraceContext()
 
 
 def load_all():
-    from . import (creation, indexing, linalg, nn, pointwise, random,  # noqa: F401
+    from . import (creation, fft, indexing, linalg, nn, pointwise, random,  # noqa: F401
                    reduction, shape)

@@ -13,7 +13,7 @@ import torch
 from jax import lax
 
 from . import LOWERINGS, lower
-from .util import KIND, cast, promote
+from .util import KIND, cast, ctx_dtype, promote
 
 aten = torch.ops.aten
 
@@ -150,6 +150,23 @@ def angle(x):
         return jnp.angle(x)
     # PyTorch: 0 for x >= 0, pi for x < 0, nan stays nan.
     return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0)).astype(res)
+
+
+@lower(aten._conj.default, aten._conj_physical.default)
+def conj(x):
+    # _conj is a view that sets the conjugate bit, which tpu tensors do not
+    # carry: materialize the conjugate instead (the generic view path would
+    # drop the bit and return x unchanged).
+    return jnp.conj(x) if _is_complex(x) else x
+
+
+@lower(aten.complex.default)
+def complex_(real, imag):
+    # The decomposition writes through result.real/.imag views, which a
+    # dtype-changing view cannot carry here.
+    res = ctx_dtype()
+    part = jnp.finfo(res).dtype
+    return (real.astype(part) + 1j * imag.astype(part)).astype(res)
 
 
 def _int_identity(jfn):
