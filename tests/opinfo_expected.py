@@ -34,42 +34,8 @@ EXPECTED_FAILURES = {
         'raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32',
     ('chalf', 'int64', 'forward'):
         'raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32',
-    ('complex', 'float32', 'forward'):
-        'values differ from CPU: AssertionError: Scalars are not close! Expected (-8.478373527526855-1.765825867652893j) but got 0j. Absolute difference: 8.660309386340668 (up to 1e-05 allowed)',
     ('cross', 'bfloat16', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 1 / 75 (1.3%)',
-    ('fft.hfft2', 'bool', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 72 / 150 (48.0%)',
-    ('fft.hfft2', 'float32', 'backward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 40 / 210 (19.0%)',
-    ('fft.hfft2', 'float32', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 80 / 150 (53.3%)',
-    ('fft.hfft2', 'int64', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 80 / 150 (53.3%)',
-    ('fft.hfftn', 'bool', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 72 / 150 (48.0%)',
-    ('fft.hfftn', 'float32', 'backward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 40 / 210 (19.0%)',
-    ('fft.hfftn', 'float32', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 80 / 150 (53.3%)',
-    ('fft.hfftn', 'int64', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 80 / 150 (53.3%)',
-    ('fft.ifft', 'bool', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 240 / 350 (68.6%)',
-    ('fft.ifft', 'float32', 'backward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 140 / 210 (66.7%)',
-    ('fft.ifft', 'float32', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 280 / 350 (80.0%)',
-    ('fft.ifft', 'int64', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 280 / 350 (80.0%)',
-    ('fft.ihfft', 'bool', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 120 / 210 (57.1%)',
-    ('fft.ihfft', 'float32', 'backward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 140 / 210 (66.7%)',
-    ('fft.ihfft', 'float32', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 140 / 210 (66.7%)',
-    ('fft.ihfft', 'int64', 'forward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 140 / 210 (66.7%)',
     ('grid_sampler_2d', 'bfloat16', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 99 / 780 (12.7%)',
     ('kron', 'float32', 'forward'):
@@ -82,10 +48,6 @@ EXPECTED_FAILURES = {
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 1 / 75 (1.3%)',
     ('linalg.det', 'float32', 'forward'):
         "raises on tpu: out= variant through a view: RuntimeError: aten._linalg_det.result: out= tensor of shape (0,) would need resizing to (0, 0); tpu tensors cannot be resized, pass an out= tensor of the result's shape",
-    ('linalg.eig', 'float32', 'backward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 25 / 25 (100.0%)',
-    ('linalg.eigvals', 'float32', 'backward'):
-        'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 25 / 25 (100.0%)',
     ('linalg.inv', 'float32', 'forward'):
         "raises on tpu: out= variant through a view: RuntimeError: aten.linalg_inv_ex.inverse: out= tensor of shape (0,) would need resizing to (); tpu tensors cannot be resized, pass an out= tensor of the result's shape",
     ('linalg.matrix_rank', 'float32', 'forward'):
@@ -134,10 +96,6 @@ EXPECTED_FAILURES = {
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 6 / 12 (50.0%)',
     ('nn.functional.multi_head_attention_forward', 'float32', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 4 / 6 (66.7%)',
-    ('polar', 'float32', 'backward'):
-        'values differ from CPU: AssertionError: Scalars are not close! Expected -0.5252314209938049 but got -0.0. Absolute difference: 0.5252314209938049 (up to 1e-05 allowed)',
-    ('polar', 'float32', 'forward'):
-        'values differ from CPU: AssertionError: Scalars are not close! Expected (-0.05054442584514618-0.25586867332458496j) but got 0j. Absolute difference: 0.26081318404731507 (up to 1e-05 allowed)',
     ('polygamma.polygamma_n_0', 'bfloat16', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 1 / 25 (4.0%)',
     ('polygamma.polygamma_n_0', 'float32', 'backward'):
@@ -287,62 +245,6 @@ EXPECTED_FALLBACKS = {
     ('equal', 'bool', 'forward'): 'aten.equal.default',
     ('equal', 'float32', 'forward'): 'aten.equal.default',
     ('equal', 'int64', 'forward'): 'aten.equal.default',
-    ('fft.fft', 'bool', 'forward'): 'aten._fft_r2c.default',
-    ('fft.fft', 'float32', 'backward'): 'aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.fft', 'float32', 'forward'): 'aten._fft_r2c.default, aten._fft_r2c.out',
-    ('fft.fft', 'int64', 'forward'): 'aten._fft_r2c.default',
-    ('fft.fft2', 'bool', 'forward'): 'aten._fft_c2c.default',
-    ('fft.fft2', 'float32', 'backward'): 'aten._fft_c2c.default',
-    ('fft.fft2', 'float32', 'forward'): 'aten._fft_c2c.default, aten._fft_c2c.out',
-    ('fft.fft2', 'int64', 'forward'): 'aten._fft_c2c.default',
-    ('fft.fftn', 'bool', 'forward'): 'aten._fft_c2c.default',
-    ('fft.fftn', 'float32', 'backward'): 'aten._fft_c2c.default',
-    ('fft.fftn', 'float32', 'forward'): 'aten._fft_c2c.default, aten._fft_c2c.out',
-    ('fft.fftn', 'int64', 'forward'): 'aten._fft_c2c.default',
-    ('fft.hfft', 'bool', 'forward'): 'aten._fft_c2r.default',
-    ('fft.hfft', 'float32', 'backward'): 'aten._fft_c2r.default, aten._fft_r2c.default',
-    ('fft.hfft', 'float32', 'forward'): 'aten._fft_c2r.default, aten._fft_c2r.out',
-    ('fft.hfft', 'int64', 'forward'): 'aten._fft_c2r.default',
-    ('fft.ifft2', 'bool', 'forward'): 'aten._fft_c2c.default',
-    ('fft.ifft2', 'float32', 'backward'): 'aten._fft_c2c.default',
-    ('fft.ifft2', 'float32', 'forward'): 'aten._fft_c2c.default, aten._fft_c2c.out',
-    ('fft.ifft2', 'int64', 'forward'): 'aten._fft_c2c.default',
-    ('fft.ifftn', 'bool', 'forward'): 'aten._fft_c2c.default',
-    ('fft.ifftn', 'float32', 'backward'): 'aten._fft_c2c.default',
-    ('fft.ifftn', 'float32', 'forward'): 'aten._fft_c2c.default, aten._fft_c2c.out',
-    ('fft.ifftn', 'int64', 'forward'): 'aten._fft_c2c.default',
-    ('fft.ihfft2', 'bool', 'forward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.ihfft2', 'float32', 'backward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.ihfft2', 'float32', 'forward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_c2c.out, aten._fft_r2c.default',
-    ('fft.ihfft2', 'int64', 'forward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.ihfftn', 'bool', 'forward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.ihfftn', 'float32', 'backward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.ihfftn', 'float32', 'forward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_c2c.out, aten._fft_r2c.default',
-    ('fft.ihfftn', 'int64', 'forward'): 'aten._conj_physical.default, aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.irfft', 'bool', 'forward'): 'aten._fft_c2r.default',
-    ('fft.irfft', 'float32', 'backward'): 'aten._fft_c2r.default, aten._fft_r2c.default',
-    ('fft.irfft', 'float32', 'forward'): 'aten._fft_c2r.default, aten._fft_c2r.out',
-    ('fft.irfft', 'int64', 'forward'): 'aten._fft_c2r.default',
-    ('fft.irfft2', 'bool', 'forward'): 'aten._fft_c2r.default',
-    ('fft.irfft2', 'float32', 'backward'): 'aten._fft_c2r.default, aten._fft_r2c.default',
-    ('fft.irfft2', 'float32', 'forward'): 'aten._fft_c2r.default, aten._fft_c2r.out',
-    ('fft.irfft2', 'int64', 'forward'): 'aten._fft_c2r.default',
-    ('fft.irfftn', 'bool', 'forward'): 'aten._fft_c2r.default',
-    ('fft.irfftn', 'float32', 'backward'): 'aten._fft_c2r.default, aten._fft_r2c.default',
-    ('fft.irfftn', 'float32', 'forward'): 'aten._fft_c2r.default, aten._fft_c2r.out',
-    ('fft.irfftn', 'int64', 'forward'): 'aten._fft_c2r.default',
-    ('fft.rfft', 'bool', 'forward'): 'aten._fft_r2c.default',
-    ('fft.rfft', 'float32', 'backward'): 'aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.rfft', 'float32', 'forward'): 'aten._fft_r2c.default, aten._fft_r2c.out',
-    ('fft.rfft', 'int64', 'forward'): 'aten._fft_r2c.default',
-    ('fft.rfft2', 'bool', 'forward'): 'aten._fft_r2c.default',
-    ('fft.rfft2', 'float32', 'backward'): 'aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.rfft2', 'float32', 'forward'): 'aten._fft_r2c.default, aten._fft_r2c.out',
-    ('fft.rfft2', 'int64', 'forward'): 'aten._fft_r2c.default',
-    ('fft.rfftn', 'bool', 'forward'): 'aten._fft_r2c.default',
-    ('fft.rfftn', 'float32', 'backward'): 'aten._fft_c2c.default, aten._fft_r2c.default',
-    ('fft.rfftn', 'float32', 'forward'): 'aten._fft_r2c.default, aten._fft_r2c.out',
-    ('fft.rfftn', 'int64', 'forward'): 'aten._fft_r2c.default',
     ('frexp', 'bfloat16', 'forward'): 'prims.frexp.default',
     ('frexp', 'float32', 'backward'): 'prims.frexp.default',
     ('frexp', 'float32', 'forward'): 'prims.frexp.default',
@@ -367,7 +269,9 @@ EXPECTED_FALLBACKS = {
     ('isin', 'int64', 'forward'): 'aten.searchsorted.Tensor',
     ('lcm', 'int64', 'forward'): 'prims.div.default, prims.gcd.default',
     ('linalg.cholesky', 'float32', 'backward'): 'aten._linalg_check_errors.default',
+    ('linalg.eig', 'float32', 'backward'): 'aten._linalg_check_errors.default, aten.linalg_eig.default',
     ('linalg.eig', 'float32', 'forward'): 'aten.linalg_eig.default',
+    ('linalg.eigvals', 'float32', 'backward'): 'aten._linalg_check_errors.default, aten.linalg_eig.default',
     ('linalg.eigvals', 'float32', 'forward'): 'aten.linalg_eig.default, aten.linalg_eigvals.out',
     ('linalg.householder_product', 'float32', 'backward'): 'aten.linalg_householder_product.default',
     ('linalg.householder_product', 'float32', 'forward'): 'aten.linalg_householder_product.default, aten.linalg_householder_product.out',

@@ -58,3 +58,17 @@ def test_complex_and_conj():
     z = make(torch.complex64, (3, 4))
     compare(lambda t: t.conj() + 0, z, grad=False)
     compare(torch.conj_physical, z, grad=False)
+
+
+def test_polar():
+    a, b = make(torch.float32, (3, 4)).abs(), make(torch.float32, (4,), seed=1)
+    compare(torch.polar, a, b, grad=False)
+    compare(torch.polar, a.double(), b.double(), grad=False)
+
+
+def test_out_variants():
+    x = make(torch.float32, (4, 6))
+    compare(lambda t: torch.fft.ifft(t, out=torch.empty(4, 6, dtype=torch.complex64,
+                                                          device=t.device)), x, grad=False)
+    compare(lambda t: torch.fft.rfft(t, out=torch.empty(4, 4, dtype=torch.complex64,
+                                                          device=t.device)), x, grad=False)

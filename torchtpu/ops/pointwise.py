@@ -152,7 +152,7 @@ def angle(x):
     return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0)).astype(res)
 
 
-@lower(aten._conj.default, aten._conj_physical.default)
+@lower(aten._conj.default, aten._conj_physical.default, aten.conj_physical.default)
 def conj(x):
     # _conj is a view that sets the conjugate bit, which tpu tensors do not
     # carry: materialize the conjugate instead (the generic view path would
@@ -167,6 +167,15 @@ def complex_(real, imag):
     res = ctx_dtype()
     part = jnp.finfo(res).dtype
     return (real.astype(part) + 1j * imag.astype(part)).astype(res)
+
+
+@lower(aten.polar.default)
+def polar(abs, angle):
+    # Its decomposition also writes through .real/.imag views.
+    res = ctx_dtype()
+    part = jnp.finfo(res).dtype
+    abs, angle = abs.astype(part), angle.astype(part)
+    return (abs * jnp.cos(angle) + 1j * (abs * jnp.sin(angle))).astype(res)
 
 
 def _int_identity(jfn):
