@@ -169,3 +169,25 @@ def test_optimizer_updates_params_in_place(mode, opt_name):
     for p_tpu, p_cpu in zip(tpu_model.parameters(), model.parameters()):
         assert_same(p_tpu, p_cpu.detach(), rtol=1e-5, atol=1e-6)
     assert_same(views[1], views[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_inplace_view_ops_change_the_tensor_itself(mode):
+    """t_, transpose_, unsqueeze_, squeeze_, as_strided_ change a tensor's
+    shape and strides in place; it still aliases its base."""
+    results = []
+    for dev in ("cpu", "tpu"):
+        x = torch.arange(12.0).view(3, 4).to(dev)
+        v = x[1:]
+        v.t_()
+        v.unsqueeze_(0)
+        v.squeeze_(0)
+        v.transpose_(0, 1)
+        v.mul_(-1)
+        y = torch.arange(6.0).to(dev)
+        y.as_strided_((2, 2), (1, 2), 1)
+        results.append((x, v, y, v.shape, v.stride(), y.shape, y.stride()))
+    (x, v, y, *meta), (tx, tv, ty, *tmeta) = results
+    assert tmeta == meta
+    assert_same(tx, x)
+    assert_same(tv, v)
+    assert_same(ty, y)

@@ -64,6 +64,10 @@ class Plan:
             fl = LOWERINGS.get(self.functional) if self.functional else None
             self.kind = "mutate" if fl is not None else "other"
             self.lowering = fl
+            if fl is None and self.functional is not None and plan_of(self.functional).kind == "view":
+                # transpose_, t_, unsqueeze_, squeeze_, as_strided_: only the
+                # tensor's metadata changes.
+                self.kind = "view_inplace"
         elif aliased and self.lowering is None and not torch._C._dispatch_has_kernel_for_dispatch_key(
                 schema.name + ("." + schema.overload_name if schema.overload_name else ""),
                 "CompositeImplicitAutograd"):
@@ -374,6 +378,8 @@ def dispatch(func, args, kwargs):
             return _run_other(plan, args, kwargs)
         if kind == "view":
             return _run_view(plan, args, kwargs)
+        if kind == "view_inplace":
+            return _run_view_inplace(plan, args, kwargs)
         return _run_other(plan, args, kwargs)
     except Exception as e:
         # PyTorch's exception type, at the user's line (torchtpu.errors).
@@ -483,6 +489,19 @@ def _mutation_result(plan, args, kwargs, plain):
     if not results:
         return None
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _run_view_inplace(plan, args, kwargs):
+    """A view op applied to the tensor itself: same storage, new shape,
+    strides and offset (set on the wrapper by PyTorch's own as_strided_)."""
+    src = args[0]
+    if not isinstance(src, TpuTensor):
+        return _run_other(plan, args, kwargs)
+    view = _run_view(plan_of(plan.functional), args, kwargs)
+    with torch._C._DisableTorchDispatch():
+        aten.as_strided_.default(src, view.shape, view.stride(), view.storage_offset())
+    src._view, src._key = view._view, view._key
+    return src
 
 
 def _run_view(plan, args, kwargs):
