@@ -13,7 +13,6 @@ import functools
 import math
 import warnings
 
-import jax
 import torch
 from torch._decomp import decomposition_table
 
@@ -295,15 +294,6 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
         return tuple(leaves), ()
 
     kernel = Kernel(plan.name, fn, out_dtypes, written)
-    if out_meta is not None:
-        # What the kernel returns, known without tracing it (fused mode
-        # records on this; its graph trace checks the lowering agrees).
-        outs = out_meta[0][:plan.n_plain] if plan.kind == "mutate" else out_meta[0]
-        slots = sorted({s[1]: s for s in _flat_written(written)}.items())
-        kernel.avals = (
-            tuple(jax.ShapeDtypeStruct(tuple(m.shape), runtime.jax_dtype(m.dtype)) for m in outs),
-            tuple(jax.ShapeDtypeStruct(s[3], runtime.jax_dtype(s[2])) for _, s in slots))
-        kernel.out_tree = out_meta[1]
     return kernel
 
 

@@ -30,11 +30,11 @@ def max_ops():
     return int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "1000"))
 
 
-# Churn: when most recent flushes compile a new graph, fusing costs more
-# than it saves; run op by op for a while, then try again.
+# Churn: at a flush site where most recent flushes needed a new graph,
+# compiling costs more than fusing saves; new graphs there run op by op (with
+# the per-op kernels strict mode uses), graphs compiled before still run fused.
 CHURN_WINDOW = 8
 CHURN_NEW_KEYS = 6
-CHURN_BACKOFF_OPS = 2000
 
 
 class _Stats:
@@ -96,16 +96,11 @@ class FusedExecutor(StrictExecutor):
         super().__init__()
         self._graph = _Graph()
         self._regions = {}  # flush site -> recent (new graph?) flags
-        self._eager_ops_left = 0
         self._debug = os.environ.get("TORCHTPU_FUSE_DEBUG") == "1"
         self._limit = max_ops()
 
     # -- recording ---------------------------------------------------------
     def run(self, kernel, flat, call):
-        if self._eager_ops_left > 0:
-            self._eager_ops_left -= 1
-            flat = [self._concrete_value(x) for x in flat]
-            return super().run(kernel, flat, call)
         if len(self._graph.nodes) >= self._limit:
             # Flush before recording: every earlier result is owned by now.
             self.flush("limit")
@@ -173,13 +168,26 @@ class FusedExecutor(StrictExecutor):
         key = ("fused", tuple([(id(k), refs) for k, refs in g.nodes]), live_refs)
         entry = cache.lookup(key)
         hit = entry is not None
+        site = _user_line()
+        churning = self._note_churn(site, not hit)
         if hit:
             STATS.graph_cache_hits += 1
+            run = entry[0]
+        elif churning:
+            # This site's graphs keep changing: run its ops one by one with
+            # their own (cached) kernels instead of compiling another graph.
+            STATS.fused_fallbacks += 1
+            if STATS.fused_fallbacks == 1:
+                warnings.warn("torchtpu: fused graphs keep changing at "
+                              f"{site} (new shapes every step?); running them op by op "
+                              "instead of recompiling (counted in metrics fused_fallbacks)",
+                              stacklevel=4)
+            nodes = g.nodes
+            run = lambda inputs, scalars: _replay(nodes, live_refs, inputs, scalars, _call_jitted)  # noqa: E731
         else:
             entry = cache.store(key, (_build_graph(g.nodes, live_refs), [k for k, _ in g.nodes]))
             STATS.graphs_compiled += 1
-        site = _user_line()
-        self._note_churn(site, not hit)
+            run = entry[0]
         STATS.flushes[reason] += 1
         STATS.fused_ops[len(g.nodes)] += 1
         STATS.fused_op_total += len(g.nodes)
@@ -187,32 +195,28 @@ class FusedExecutor(StrictExecutor):
                             "outputs": len(live), "cache_hit": hit}
         if self._debug:
             print(f"[torchtpu fused] flush reason={reason} at {site} ops={len(g.nodes)} "
-                  f"outputs={len(live)} cache={'hit' if hit else 'miss'}", file=sys.stderr)
-        results = entry[0](g.inputs, g.scalars)
+                  f"outputs={len(live)} cache={'hit' if hit else 'op-by-op' if churning else 'miss'}",
+                  file=sys.stderr)
+        results = run(g.inputs, g.scalars)
         self._last = results
         for (p, owner), value in zip(live, results):
             owner.array = value
         errors.after_flush(g, results)  # NaN/Inf checks name the op and line
 
     def _note_churn(self, site, new_key):
-        """A flush site whose graphs keep changing runs op by op for a while."""
+        """Whether the graphs flushed at this site keep changing (most of the
+        last CHURN_WINDOW flushes there needed a new graph)."""
         recent = self._regions.get(site)
         if recent is None:
             recent = self._regions[site] = collections.deque(maxlen=CHURN_WINDOW)
         recent.append(new_key)
-        if len(recent) == CHURN_WINDOW and sum(recent) >= CHURN_NEW_KEYS:
-            STATS.fused_fallbacks += 1
-            if STATS.fused_fallbacks == 1:
-                warnings.warn("torchtpu: fused graphs keep changing (new shapes every step?); "
-                              f"running the next {CHURN_BACKOFF_OPS} ops op by op instead of "
-                              "recompiling (counted in metrics fused_fallbacks)", stacklevel=4)
-            self._eager_ops_left = CHURN_BACKOFF_OPS
-            recent.clear()
+        return len(recent) == CHURN_WINDOW and sum(recent) >= CHURN_NEW_KEYS
 
 
 def _abstract(kernel, flat):
     """Output avals of kernel for these inputs (cached on the kernel: its key
-    fixes the input avals)."""
+    fixes the input avals). Tracing a new kernel here, once, also raises a
+    lowering's errors at the user's line rather than at the next flush."""
     avals = kernel.avals
     if avals is None:
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in flat]
@@ -220,15 +224,32 @@ def _abstract(kernel, flat):
     return avals
 
 
-def _check_avals(kernel, produced):
-    """The recorded shapes/dtypes (from PyTorch's meta kernels) must be what
-    the lowering computes; a mismatch is a lowering bug, never silent."""
-    expected = kernel.avals[0] + kernel.avals[1]
-    got = [(tuple(v.shape), v.dtype) for v in produced]
-    want = [(tuple(a.shape), a.dtype) for a in expected]
-    if got != want:
-        raise RuntimeError(f"torchtpu: the lowering of {kernel.name} returned {got}, "
-                           f"but PyTorch's meta kernel says {want} (a torchtpu bug)")
+def _call_traced(kernel, args):
+    return kernel.fn(*args)
+
+
+def _call_jitted(kernel, args):
+    return kernel.jitted(*args)
+
+
+def _replay(nodes, live_refs, inputs, scalars, call):
+    """Run the recorded nodes (call(kernel, args) runs one) and return the
+    values of live_refs."""
+    values = {}
+    for ni, (kernel, refs) in enumerate(nodes):
+        args = []
+        for r in refs:
+            kind = r[0]
+            if kind == "p":
+                args.append(values[(r[1], r[2])])
+            elif kind == "a":
+                args.append(inputs[r[1]])
+            else:
+                args.append(scalars[r[1]])
+        outs, written = call(kernel, args)
+        for j, v in enumerate(tuple(outs) + tuple(written)):
+            values[(ni, j)] = v
+    return [values[(r[1], r[2])] for r in live_refs]
 
 
 def _build_graph(nodes, live_refs):
@@ -236,23 +257,7 @@ def _build_graph(nodes, live_refs):
     start = time.perf_counter()
 
     def graph(inputs, scalars):
-        values = {}
-        for ni, (kernel, refs) in enumerate(nodes):
-            args = []
-            for r in refs:
-                kind = r[0]
-                if kind == "p":
-                    args.append(values[(r[1], r[2])])
-                elif kind == "a":
-                    args.append(inputs[r[1]])
-                else:
-                    args.append(scalars[r[1]])
-            outs, written = kernel.fn(*args)
-            produced = tuple(outs) + tuple(written)
-            _check_avals(kernel, produced)
-            for j, v in enumerate(produced):
-                values[(ni, j)] = v
-        return [values[(r[1], r[2])] for r in live_refs]
+        return _replay(nodes, live_refs, inputs, scalars, _call_traced)
 
     jitted = cache.jit(graph, name=f"tpu_fused_{len(nodes)}ops")
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
