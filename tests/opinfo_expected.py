@@ -20,6 +20,8 @@ EXPECTED_FAILURES = {
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 6999 / 8000 (87.5%)',
     ('argsort', 'bool', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not equal! Mismatched elements: 7999 / 8000 (100.0%)',
+    ('as_strided', 'float32', 'forward'):
+        'values differ from CPU: in-place variant through a view: AssertionError: Tensor-likes are not close! Mismatched elements: 1 / 1 (100.0%)',
     ('as_strided_scatter', 'float32', 'forward'):
         'values differ from CPU: non-contiguous inputs: AssertionError: Tensor-likes are not close! Mismatched elements: 1 / 1 (100.0%)',
     ('baddbmm', 'bfloat16', 'forward'):
@@ -66,16 +68,10 @@ EXPECTED_FAILURES = {
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 55 / 125 (44.0%)',
     ('msort', 'float32', 'forward'):
         "raises on tpu: out= variant through a view: RuntimeError: aten.sort.values: out= tensor of shape (0,) would need resizing to (8000,); tpu tensors cannot be resized, pass an out= tensor of the result's shape",
-    ('nanquantile', 'float32', 'backward'):
-        'values differ from CPU: RuntimeError: Mismatch in shape: grad_output[0] has a shape of torch.Size([]) and output[0] has a shape of torch.Size([1]).',
-    ('nanquantile', 'float32', 'forward'):
-        "result differs from CPU: AssertionError: The values for attribute 'shape' do not match: torch.Size([1]) != torch.Size([]).",
     ('native_batch_norm', 'bfloat16', 'forward'):
         "result dtype differs from CPU: AssertionError: The values for attribute 'dtype' do not match: torch.float32 != torch.bfloat16.",
     ('native_batch_norm', 'float32', 'forward'):
         "result differs from CPU: AssertionError: The values for attribute 'shape' do not match: torch.Size([2]) != torch.Size([0]).",
-    ('native_group_norm', 'float32', 'backward'):
-        'crashes the process: process crashed (exit code -6)',
     ('native_layer_norm', 'bfloat16', 'forward'):
         "result dtype differs from CPU: AssertionError: The values for attribute 'dtype' do not match: torch.float32 != torch.bfloat16.",
     ('nn.functional.feature_alpha_dropout.with_train', 'bfloat16', 'forward'):
@@ -86,8 +82,6 @@ EXPECTED_FAILURES = {
         "raises on tpu: RuntimeError: aten::bernoulli() is missing value for argument 'p'. Declaration: aten::bernoulli.p(Tensor self, float p, *, Generator? generator=None) -> Tensor",
     ('nn.functional.grid_sample', 'bfloat16', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 3 / 150 (2.0%)',
-    ('nn.functional.linear', 'float32', 'forward'):
-        "result differs from CPU: non-contiguous inputs: AssertionError: The values for attribute 'shape' do not match: torch.Size([1, 4]) != torch.Size([4]).",
     ('nn.functional.logsigmoid', 'float32', 'forward'):
         "raises on tpu: out= variant through a view: RuntimeError: aten.log_sigmoid_forward.output: out= tensor of shape (0,) would need resizing to (20,); tpu tensors cannot be resized, pass an out= tensor of the result's shape",
     ('nn.functional.multi_head_attention_forward', 'bfloat16', 'forward'):
@@ -126,10 +120,6 @@ EXPECTED_FAILURES = {
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 2 / 25 (8.0%)',
     ('polygamma.polygamma_n_4', 'float32', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 2 / 25 (8.0%)',
-    ('quantile', 'float32', 'backward'):
-        'values differ from CPU: RuntimeError: Mismatch in shape: grad_output[0] has a shape of torch.Size([]) and output[0] has a shape of torch.Size([1]).',
-    ('quantile', 'float32', 'forward'):
-        "result differs from CPU: AssertionError: The values for attribute 'shape' do not match: torch.Size([1]) != torch.Size([]).",
     ('rand_like', 'bfloat16', 'forward'):
         'result differs from CPU: AssertionError: rand values outside [0, 1)',
     ('rand_like', 'float32', 'forward'):
@@ -164,10 +154,6 @@ EXPECTED_FAILURES = {
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 2 / 25 (8.0%)',
     ('special.polygamma.special_polygamma_n_0', 'float32', 'forward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 2 / 25 (8.0%)',
-    ('stft', 'float32', 'backward'):
-        'raises on tpu: RuntimeError: The expanded size of the tensor (6) must match the existing size (51) at non-singleton dimension 2.  Target sizes: [1, 51, 6].  Tensor sizes: [1, 6, 51]',
-    ('stft', 'float32', 'forward'):
-        'raises on tpu: RuntimeError: The expanded size of the tensor (6) must match the existing size (51) at non-singleton dimension 2.  Target sizes: [1, 51, 6].  Tensor sizes: [1, 6, 51]',
     ('tensor_split', 'bfloat16', 'forward'):
         "raises on tpu: RuntimeError: tensor_split expected tensor_indices_or_sections to be on cpu, but it's on tpu:0",
     ('tensor_split', 'bool', 'forward'):
@@ -221,7 +207,6 @@ EXPECTED_FALLBACKS = {
     ('argwhere', 'bool', 'forward'): 'aten.nonzero.default',
     ('argwhere', 'float32', 'forward'): 'aten.nonzero.default',
     ('argwhere', 'int64', 'forward'): 'aten.nonzero.default',
-    ('as_strided', 'float32', 'forward'): 'aten.as_strided_.default',
     ('bincount', 'int64', 'forward'): 'aten.bincount.default',
     ('bucketize', 'bfloat16', 'forward'): 'prims.item.default',
     ('bucketize', 'float32', 'forward'): 'prims.item.default',
@@ -330,9 +315,7 @@ EXPECTED_FALLBACKS = {
     ('nn.functional.fractional_max_pool3d', 'float32', 'forward'): 'aten.fractional_max_pool3d.default',
     ('nn.functional.grid_sample', 'float32', 'backward'): 'aten.grid_sampler_2d_backward.default',
     ('nn.functional.interpolate.bicubic', 'float32', 'backward'): 'aten.upsample_bicubic2d_backward.default',
-    ('nn.functional.linear_cross_entropy', 'bfloat16', 'forward'): 'aten.squeeze_.dim',
-    ('nn.functional.linear_cross_entropy', 'float32', 'backward'): 'aten.squeeze_.dim',
-    ('nn.functional.linear_cross_entropy', 'float32', 'forward'): 'aten.squeeze_.dim',
+    ('nn.functional.linear', 'float32', 'forward'): 'aten.linear.out',
     ('nn.functional.linear_cross_entropy.chunked', 'bfloat16', 'forward'): 'torch_nn._linear_cross_entropy_batch_chunked.default',
     ('nn.functional.linear_cross_entropy.chunked', 'float32', 'backward'): 'torch_nn._linear_cross_entropy_batch_chunked.default',
     ('nn.functional.linear_cross_entropy.chunked', 'float32', 'forward'): 'torch_nn._linear_cross_entropy_batch_chunked.default',
@@ -437,9 +420,6 @@ EXPECTED_FALLBACKS = {
     ('special.spherical_bessel_j0', 'bool', 'forward'): 'prims.spherical_bessel_j0.default',
     ('special.spherical_bessel_j0', 'float32', 'forward'): 'prims.spherical_bessel_j0.default',
     ('special.spherical_bessel_j0', 'int64', 'forward'): 'prims.spherical_bessel_j0.default',
-    ('squeeze.multiple', 'float32', 'forward'): 'aten.squeeze_.dims',
-    ('t', 'float32', 'forward'): 'aten.t_.default',
-    ('transpose', 'float32', 'forward'): 'aten.transpose_.default',
     ('unique', 'bfloat16', 'forward'): 'aten._unique2.default',
     ('unique', 'bool', 'forward'): 'aten._unique2.default',
     ('unique', 'float32', 'forward'): 'aten._unique2.default',
