@@ -10,8 +10,9 @@ Liveness: a Pending is an output of the flushed graph only while a Storage
 still holds it (Pending.owner, a weak reference). Intermediates nobody holds
 are never materialized.
 
-The graph key is built while recording, one small tuple per op (the kernel's
-identity and where its inputs come from), so a flush costs one tuple hash.
+The graph key is one small tuple per recorded op (the kernel's identity and
+where its inputs come from), joined at the flush: nothing about shapes or
+values is hashed per op, and a repeated step hits the same compiled graph.
 """
 import collections
 import os
