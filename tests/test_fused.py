@@ -184,3 +184,21 @@ def test_fused_matches_strict_forward_and_backward(fn):
             results[mode] = (out.detach().cpu(), ga.cpu(), gb.cpu())
     for s, f in zip(results["strict"], results["fused"]):
         torch.testing.assert_close(f, s)
+
+
+def test_churning_site_recovers_when_a_graph_recurs(fused):
+    from torchtpu.modes.fused import STATS
+
+    def step(n):  # every flush happens on the next line: one site
+        return (torch.ones(n, device="tpu") * 2 + 1).sum().item()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in range(1, 21):
+            assert step(n) == 3.0 * n
+        assert STATS.fused_fallbacks >= 1
+        hits = STATS.graph_cache_hits
+        for _ in range(5):
+            assert step(7) == 21.0
+    # n=7 recurs: compiled once, then every later step hits it.
+    assert STATS.graph_cache_hits - hits >= 4

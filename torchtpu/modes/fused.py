@@ -31,9 +31,10 @@ def max_ops():
     return int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "1000"))
 
 
-# Churn: at a flush site where most recent flushes needed a new graph,
+# Churn: at a flush site where most recent flushes brought a new graph,
 # compiling costs more than fusing saves; new graphs there run op by op (with
-# the per-op kernels strict mode uses), graphs compiled before still run fused.
+# the per-op kernels strict mode uses); graphs compiled before, or seen again,
+# run fused.
 CHURN_WINDOW = 8
 CHURN_NEW_KEYS = 6
 
@@ -170,7 +171,7 @@ class FusedExecutor(StrictExecutor):
         entry = cache.lookup(key)
         hit = entry is not None
         site = _user_line()
-        churning = self._note_churn(site, not hit)
+        churning = self._note_churn(site, key, hit)
         if hit:
             STATS.graph_cache_hits += 1
             run = entry[0]
@@ -204,14 +205,20 @@ class FusedExecutor(StrictExecutor):
             owner.array = value
         errors.after_flush(g, results)  # NaN/Inf checks name the op and line
 
-    def _note_churn(self, site, new_key):
-        """Whether the graphs flushed at this site keep changing (most of the
-        last CHURN_WINDOW flushes there needed a new graph)."""
-        recent = self._regions.get(site)
-        if recent is None:
-            recent = self._regions[site] = collections.deque(maxlen=CHURN_WINDOW)
-        recent.append(new_key)
-        return len(recent) == CHURN_WINDOW and sum(recent) >= CHURN_NEW_KEYS
+    def _note_churn(self, site, key, hit):
+        """Whether to run this flush op by op: its graph is new to this site
+        and most of the last CHURN_WINDOW flushes there brought a new graph.
+        A graph seen before at the site is compiled: it recurs."""
+        region = self._regions.get(site)
+        if region is None:
+            region = self._regions[site] = (collections.deque(maxlen=CHURN_WINDOW),
+                                            collections.deque(maxlen=2 * CHURN_WINDOW))
+        flags, seen = region
+        h = hash(key)
+        new = not hit and h not in seen
+        seen.append(h)
+        flags.append(new)
+        return new and len(flags) == CHURN_WINDOW and sum(flags) >= CHURN_NEW_KEYS
 
 
 def _abstract(kernel, flat):
