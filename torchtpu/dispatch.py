@@ -182,13 +182,12 @@ def _build(template, it):
 
 class _Call:
     """One op call split into what keys its kernel and what feeds it."""
-    __slots__ = ("storages", "slots", "dynamic", "tensors")
+    __slots__ = ("storages", "slots", "dynamic")
 
     def __init__(self):
         self.storages = []
         self.slots = {}
         self.dynamic = []
-        self.tensors = []
 
 
 def _spec(call, value, tensorish):
@@ -199,7 +198,6 @@ def _spec(call, value, tensorish):
         if slot is None:
             slot = call.slots[id(storage)] = len(call.storages)
             call.storages.append(storage)
-        call.tensors.append(value)
         return ("t", slot) + value._key
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and (value.dim() == 0 or tensorish is _INDICES):
