@@ -54,4 +54,4 @@ ctx = TraceContext()
 
 def load_all():
     from . import (creation, fft, indexing, linalg, nn, pointwise, random,  # noqa: F401
-                   reduction, shape)
+                   reduction, shape, special)
