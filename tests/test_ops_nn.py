@@ -85,6 +85,50 @@ def test_adaptive_avg_pool2d(out):
     compare(lambda t: F.adaptive_avg_pool2d(t, out), r(2, 3, 7, 8))
 
 
+
+@pytest.mark.parametrize("kw", [dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1,
+                                                          count_include_pad=False),
+                                dict(kernel_size=(2, 3, 2), stride=2, ceil_mode=True),
+                                dict(kernel_size=2, divisor_override=3)])
+def test_avg_pool3d(kw):
+    compare(lambda t: F.avg_pool3d(t, **kw), r(2, 3, 5, 6, 7))
+
+
+def test_pool3d_adaptive_max_and_avg():
+    x = r(2, 3, 5, 6, 7)
+    compare(lambda t: F.max_pool3d(t, 3, stride=2, padding=1, dilation=1, return_indices=True), x)
+    compare(lambda t: F.adaptive_avg_pool3d(t, (2, 4, 3)), x)
+    compare(lambda t: F.adaptive_max_pool3d(t, (2, 4, 3), return_indices=True), x)
+    compare(lambda t: F.adaptive_max_pool2d(t, (4, 5), return_indices=True), r(3, 7, 9))
+    compare(lambda t: F.adaptive_max_pool1d(t, 4, return_indices=True), r(2, 3, 9))
+
+
+def test_max_pool_nan_and_inf_ties():
+    # CPU keeps the first maximum, but the last NaN of a window; an all -inf
+    # window points at its first in-bounds element.
+    x = r(1, 2, 6, 6)
+    x[0, 0, 1, 1] = x[0, 0, 1, 2] = float("nan")
+    x[0, 0, 4, 4] = float("inf")
+    x[0, 0, 4, 5] = float("nan")
+    x[0, 1, :3, :3] = -float("inf")
+    for fn in (lambda t: F.max_pool2d(t, 3, stride=2, padding=1, return_indices=True),
+               lambda t: F.adaptive_max_pool2d(t, (2, 3), return_indices=True)):
+        got, want = fn(x.to(DEV)), fn(x)
+        assert_same(got, want, equal_nan=True)
+
+
+def test_fractional_max_pool():
+    # The samples are an input: given them, the op is deterministic.
+    torch.manual_seed(0)
+    u, u3, ub = torch.rand(2, 3, 2), torch.rand(2, 2, 3), torch.rand(1, 3, 2, dtype=torch.bfloat16)
+    compare(lambda t: F.fractional_max_pool2d(t, (2, 3), output_size=(5, 4), return_indices=True,
+                                              _random_samples=u.to(t.device)), r(2, 3, 9, 11))
+    compare(lambda t: F.fractional_max_pool3d(t, 2, output_size=(4, 3, 5), return_indices=True,
+                                              _random_samples=u3.to(t.device)), r(2, 2, 7, 6, 8))
+    compare(lambda t: F.fractional_max_pool2d(t, 2, output_size=(4, 4),
+                                              _random_samples=ub.to(t.device)),
+            r(3, 8, 8, dtype=torch.bfloat16), grad=False)
+
 # ---- softmax and normalization ---------------------------------------------
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
