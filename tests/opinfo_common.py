@@ -126,6 +126,16 @@ def _fix_kwargs(kwargs):
     return {k: ("tpu" if k == "device" and _is_cpu_device(v) else v) for k, v in kwargs.items()}
 
 
+def _fix_args(args):
+    # A target device given positionally (Tensor.to('cpu', ...)) is the test's device.
+    return tuple("tpu" if _is_cpu_device(v) else v for v in args)
+
+
+# Tensor arguments PyTorch requires on the CPU whatever the input's device;
+# op name -> positional index in sample.args.
+CPU_ARGS = {"tensor_split": 0}
+
+
 def _copier(to_device, noncontig=False):
     """A tree_map function copying tensors (keeping identity between repeated
     tensors, and leaf-ness and requires_grad for autograd)."""
@@ -160,13 +170,17 @@ def _noncontig(x, device):
     return v.transpose(-1, -2) if x.dim() >= 2 else v
 
 
-def sample_copies(sample, to_device, noncontig=False):
+def sample_copies(sample, to_device, noncontig=False, op=None):
     copy = _copier(to_device, noncontig)
     inp = tree_map(copy, sample.input)
     args = tree_map(copy, sample.args)
     kwargs = tree_map(copy, sample.kwargs)
     if to_device:
+        args = _fix_args(args)
         kwargs = _fix_kwargs(kwargs)
+        keep = CPU_ARGS.get(getattr(op, "name", None))
+        if keep is not None and keep < len(args):
+            args = args[:keep] + (tree_map(_copier(False), sample.args[keep]),) + args[keep + 1:]
     return inp, args, kwargs
 
 
@@ -251,7 +265,7 @@ def _check_random(op, sample, tol):
     expected = _call(op, inp, args, kwargs)
     outs = []
     for _ in range(2):
-        t_inp, t_args, t_kwargs = sample_copies(sample, True)
+        t_inp, t_args, t_kwargs = sample_copies(sample, True, op=op)
         torch.manual_seed(1234)
         outs.append(to_cpu(_call(op, t_inp, t_args, t_kwargs)))
     exp_leaves, _ = tree_flatten(_normalize(expected))
@@ -276,8 +290,7 @@ def _check_range(op, sample, a, e):
         return
     if name == "bernoulli" and not ((a == 0) | (a == 1)).all():
         raise AssertionError("bernoulli values outside {0, 1}")
-    if name in ("rand_like",) and not ((a >= 0) & (a < 1)).all():
-        raise AssertionError("rand values outside [0, 1)")
+    # (No [0, 1) check for "rand_like": that OpInfo entry calls randn_like.)
     if name == "multinomial":
         n = sample.input.shape[-1]
         if not ((a >= 0) & (a < n)).all():
@@ -305,7 +318,7 @@ def _forward_sample(op, oid, sample, dtype, tol, extras, first):
         expected = sample.output_process_fn_grad(expected)
     except Exception:
         return "cpu-error"
-    t_inp, t_args, t_kwargs = sample_copies(sample, True)
+    t_inp, t_args, t_kwargs = sample_copies(sample, True, op=op)
     actual = _call(op, t_inp, t_args, t_kwargs)
     actual = to_cpu(sample.output_process_fn_grad(actual))
     if op.name in UNINITIALIZED_OPS:
@@ -322,7 +335,7 @@ def _forward_sample(op, oid, sample, dtype, tol, extras, first):
         expected_nc = None  # e.g. view() of a non-contiguous tensor
     if expected_nc is not None:
         try:
-            t_inp, t_args, t_kwargs = sample_copies(sample, True, noncontig=True)
+            t_inp, t_args, t_kwargs = sample_copies(sample, True, noncontig=True, op=op)
             actual = to_cpu(sample.output_process_fn_grad(_call(op, t_inp, t_args, t_kwargs)))
             compare(actual, _cpu_detach(expected_nc), tol)
         except Exception as e:
@@ -348,7 +361,7 @@ def _check_out(op, sample, expected, tol):
         return  # CPU takes no out= for this sample
     base = torch.zeros((2, *expected.shape), dtype=expected.dtype).to(TPU)
     view = base[1]
-    t_inp, t_args, t_kwargs = sample_copies(sample, True)
+    t_inp, t_args, t_kwargs = sample_copies(sample, True, op=op)
     try:
         got = op(t_inp, *t_args, **t_kwargs, out=view)
         if got is not view:
@@ -379,7 +392,7 @@ def _check_inplace(op, sample, tol):
         return
     base = torch.stack([torch.zeros_like(x), x]).to(TPU)
     view = base[1]
-    t_inp, t_args, t_kwargs = sample_copies(sample, True)
+    t_inp, t_args, t_kwargs = sample_copies(sample, True, op=op)
     memo_src = t_inp
     # Use the view in place of the input everywhere the input appears.
     t_args = tree_map(lambda v: view if v is memo_src else v, t_args)
@@ -427,7 +440,7 @@ def _backward_sample(op, oid, sample, tol):
 
 
 def _tpu_grads(op, sample, cots, n_outs, seed=None):
-    t_inp, t_args, t_kwargs = sample_copies(sample, True)
+    t_inp, t_args, t_kwargs = sample_copies(sample, True, op=op)
     t_leaves = [t for t in tree_flatten((t_inp, t_args, t_kwargs))[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad]
     if seed is not None:

@@ -75,6 +75,48 @@ def test_out_argument_into_view(mode):
     _both(fn, torch.randn(4), torch.randn(4), torch.zeros(3, 4))
 
 
+def test_out_argument_resized(mode):
+    # An empty out= tensor takes the result's shape, as on CPU.
+    def fn(a, out):
+        r = torch.linalg.inv(a, out=out)
+        assert r is out and out.shape == (4, 4)
+        return out
+    _both(fn, torch.randn(4, 4) + 4 * torch.eye(4), torch.empty(0))
+
+
+def test_out_argument_resized_tuple(mode):
+    def fn(x, values, indices):
+        torch.sort(x, out=(values, indices))
+        return values, indices
+    _both(fn, torch.randn(7), torch.empty(0), torch.empty(0, dtype=torch.long))
+
+
+def test_out_argument_reshaped_by_composite(mode):
+    # kron writes through an _unsafe_view of its out= tensor.
+    def fn(a, b, buf):
+        torch.kron(a, b, out=buf[1])
+        return buf
+    _both(fn, torch.randn(2, 3), torch.randn(3, 2), torch.zeros(2, 6, 6))
+
+
+def test_resize(mode):
+    def fn(x):
+        v = x.view(-1)
+        x.resize_(2, 3)        # fits: same storage, v still aliases it
+        x.mul_(10)
+        return x, v
+    _both(fn, torch.arange(12.0).reshape(3, 4))
+
+
+def test_resize_grows_and_keeps_values(mode):
+    x = torch.arange(4.0).to("tpu")
+    x.resize_(2, 4)
+    assert x.shape == (2, 4) and x.stride() == (4, 1)
+    assert_same(x[0], torch.arange(4.0))
+    y = torch.empty(0, device="tpu").resize_as_(torch.empty(3, 2))
+    assert y.shape == (3, 2)
+
+
 def test_out_argument_dtype_cast(mode):
     def fn(a, out):
         torch.add(a, 1, out=out)

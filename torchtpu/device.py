@@ -84,6 +84,8 @@ def _factory(op):
 # out= op (arange -> arange.start_out) go straight to their functional
 # lowering; (overload, to(args) -> (overload, args)) normalizes the aliases.
 _FACTORIES = {
+    # Autograd's zero gradients (sgn's backward); plain zeros here.
+    "_efficientzerotensor.default": lambda size, **kw: (aten.zeros.default, (size,), kw),
     "arange.default": lambda end, **kw: (aten.arange.start_step, (0, end, 1), kw),
     "arange.start": lambda start, end, **kw: (aten.arange.start_step, (start, end, 1), kw),
     "arange.start_step": lambda *a, **kw: (aten.arange.start_step, a, kw),

@@ -19,7 +19,7 @@ from torch._decomp import decomposition_table
 from . import advisor, cache, errors, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
-from .tensor import Storage, TpuTensor, _is_contiguous, read_view, write_view
+from .tensor import Storage, TpuTensor, _is_contiguous, contiguous_strides, read_view, write_view
 
 aten = torch.ops.aten
 
@@ -315,13 +315,15 @@ def _drop_out_args(plan, args, kwargs):
                 break
 
 
-def _meta(value):
+def _meta(value, contiguous=False):
     if isinstance(value, TpuTensor):
+        if contiguous:
+            return torch.empty(value.shape, dtype=value.dtype, device="meta")
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0:
         return value
     if isinstance(value, (list, tuple)):
-        return type(value)(_meta(v) for v in value)
+        return type(value)(_meta(v, contiguous) for v in value)
     if isinstance(value, torch.device) and value.type == "tpu":
         return _META
     return value
@@ -330,11 +332,12 @@ def _meta(value):
 _META = torch.device("meta")
 
 
-def _run_meta(func, args, kwargs):
+def _run_meta(func, args, kwargs, contiguous=False):
     """PyTorch's own shape/dtype inference and error checks for this call, or
-    None when the op has no meta kernel."""
-    margs = [_meta(a) for a in args]
-    mkwargs = {k: _meta(v) for k, v in kwargs.items()}
+    None when the op has no meta kernel. contiguous: give it contiguous
+    inputs (view_copy's meta kernel rejects strides its CPU kernel takes)."""
+    margs = [_meta(a, contiguous) for a in args]
+    mkwargs = {k: _meta(v, contiguous) for k, v in kwargs.items()}
     try:
         out = func(*margs, **mkwargs)
     except NotImplementedError:
@@ -385,11 +388,14 @@ def _run_lowered(plan, args, kwargs):
     entry = cache.lookup(key)
     if entry is None:
         if plan.kind == "mutate":
-            _check_written(plan, args, kwargs)
+            if _check_written(plan, args, kwargs):
+                # An out= tensor was resized: its key part changed.
+                return _run_lowered(plan, args, kwargs)
             # The functional variant's outputs decide the dtypes to cast to.
             out_meta = _run_meta(plan.functional, *_functional_args(plan, args, kwargs))
         else:
-            out_meta = _run_meta(plan.func, args, kwargs)
+            out_meta = _run_meta(plan.func, args, kwargs,
+                                 getattr(plan.lowering, "meta_contiguous", False))
         out_tdtypes = tuple(m.dtype for m in out_meta[0]) if out_meta is not None else None
         entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta),
                                   out_meta, out_tdtypes))
@@ -423,36 +429,77 @@ def _functional_args(plan, args, kwargs):
     args = list(args)
     kwargs = dict(kwargs)
     _drop_out_args(plan, args, kwargs)
+    # Defaults the mutating op has and its functional variant lacks
+    # (bernoulli_.float's p=0.5; bernoulli.p requires p).
+    mine = {a.name: a for a in plan.func._schema.arguments}
+    for i, a in enumerate(plan.functional._schema.arguments):
+        if i >= len(args) and a.name not in kwargs and not a.has_default_value():
+            m = mine.get(a.name)
+            if m is not None and m.has_default_value():
+                kwargs[a.name] = m.default_value
     return args, kwargs
 
 
 def _check_written(plan, args, kwargs):
     """Run PyTorch's checks for the mutating op itself (in-place broadcast,
-    result casting) on meta tensors; out= tensors must already have the
-    result's shape."""
+    result casting) on meta tensors, and resize out= tensors whose shape is
+    not the result's, as CPU does (its warning for a non-empty one comes
+    from the meta kernel). Returns whether any tensor was resized."""
     margs = [_meta(a) for a in args]
     mkwargs = {k: _meta(v) for k, v in kwargs.items()}
     try:
         plan.func(*margs, **mkwargs)
     except NotImplementedError:
-        return
+        return False
     except RuntimeError as e:
         if "meta" in str(e).lower() and "not implemented" in str(e).lower():
-            return
+            return False
         raise
-    # Meta kernels resize out= tensors in place: a changed shape means the
-    # user's out= tensor would need resizing.
+    resized = False
     schema = plan.func._schema
     for i, a in enumerate(schema.arguments):
         if a.is_out:
             before = args[i] if i < len(args) else kwargs.get(a.name)
             after = margs[i] if i < len(margs) else mkwargs.get(a.name)
             for b, m in zip(_as_list(before), _as_list(after)):
-                if isinstance(b, torch.Tensor) and tuple(b.shape) != tuple(m.shape):
-                    raise RuntimeError(
-                        f"{plan.name}: out= tensor of shape {tuple(b.shape)} would need "
-                        f"resizing to {tuple(m.shape)}; tpu tensors cannot be resized, "
-                        "pass an out= tensor of the result's shape")
+                if isinstance(b, TpuTensor) and tuple(b.shape) != tuple(m.shape):
+                    resize(b, m.shape)
+                    resized = True
+    return resized
+
+
+def resize(t, shape):
+    """Resize t in place as CPU's resize_ does: contiguous strides from its
+    storage offset over the same storage (so other views still alias it)
+    when the elements fit; otherwise a grown copy of the storage, whose new
+    elements are zeros (CPU leaves them uninitialized)."""
+    shape = tuple(int(s) for s in shape)
+    if tuple(t.shape) == shape:
+        return t
+    if any(s < 0 for s in shape):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(shape)}: {list(shape)}")
+    storage, offset = t._storage, t.storage_offset()
+    have = math.prod(storage.array.shape)
+    need = offset + math.prod(shape)
+    if need > have:
+        whole = TpuTensor(storage, storage.array.shape, t.dtype)
+        flat = dispatch(aten.reshape.default, (whole, [-1]), {})
+        grown = dispatch(aten.constant_pad_nd.default, (flat, [0, need - have]), {})
+        storage = grown._storage
+    new = TpuTensor(storage, shape, t.dtype, contiguous_strides(shape), offset)
+    torch._C.TensorBase.data.__set__(t, new)
+    t._storage, t._view, t._key = new._storage, new._view, new._key
+    return t
+
+
+def _resize_(t, size, memory_format=None):
+    if memory_format not in (None, torch.contiguous_format):
+        raise RuntimeError(f"resize_: memory format {memory_format} is not supported on tpu")
+    return resize(t, size)
+
+
+def _resize_as_(t, template, memory_format=None):
+    return _resize_(t, template.shape, memory_format)
 
 
 def _as_list(x):
@@ -656,6 +703,8 @@ SPECIAL = {
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.copy_.default: _copy_,
     aten._copy_from.default: _copy_from,
+    aten.resize_.default: _resize_,
+    aten.resize_as_.default: _resize_as_,
 }
 
 
@@ -675,3 +724,15 @@ def _to_copy_handler(x, **kwargs):
 
 
 SPECIAL[aten._to_copy.default] = _to_copy_handler
+
+
+def _unsafe_view(x, size):
+    # A view (composites reshape an out= tensor with it and write through),
+    # or a copy where the strides allow no view, as reshape would.
+    try:
+        return dispatch(aten.view.default, (x, size), {})
+    except RuntimeError:
+        return _run_lowered(plan_of(aten._unsafe_view.default), (x, size), {})
+
+
+SPECIAL[aten._unsafe_view.default] = _unsafe_view

@@ -44,6 +44,9 @@ def reshape(x, *args, **kwargs):
     return x.reshape(_out_shape())
 
 
+reshape.meta_contiguous = True
+
+
 @lower(aten.expand_copy.default)
 def expand_copy(x, size, implicit=False):
     return jnp.broadcast_to(x, _out_shape())
