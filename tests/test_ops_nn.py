@@ -280,6 +280,17 @@ def test_upsample_1d_3d_exact():
             atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("align", [False, True])
+def test_upsample_bicubic_and_antialias(mode, align):
+    x = r(2, 3, 11, 9)
+    for size in [(5, 4), (17, 3)]:
+        compare(lambda t: F.interpolate(t, size=size, mode=mode, align_corners=align,
+                                        antialias=True), x, atol=1e-5, rtol=1e-4)
+    compare(lambda t: F.interpolate(t, scale_factor=1.7, mode="bicubic", align_corners=align), x,
+            atol=1e-5, rtol=1e-4)
+
+
 def test_softmax_out():
     x = r(3, 4)
     out = torch.empty(3, 4, device=DEV)

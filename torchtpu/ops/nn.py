@@ -6,6 +6,7 @@ simple forward are lowered as the JAX vjp of that forward, so forward and
 backward agree by construction.
 """
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -701,11 +702,75 @@ def _linear_matrix(size, out, align_corners, scale):
     return m
 
 
+def _area_scale(size, out, align_corners, scale):
+    """PyTorch's area_pixel_compute_scale."""
+    if align_corners:
+        return (size - 1) / (out - 1) if out > 1 else 0.0
+    return 1.0 / scale if scale else size / out
+
+
+def _cubic_conv(A):
+    """Keys' cubic convolution pieces for |x| <= 1 and 1 < |x| < 2."""
+    def near(x):
+        return ((A + 2) * x - (A + 3)) * x * x + 1
+
+    def far(x):
+        return ((A * x - 5 * A) * x + 8 * A) * x - 4 * A
+    return near, far
+
+
+def _cubic_matrix(size, out, align_corners, scale):
+    """(out, size) weights of PyTorch's bicubic (A = -0.75) along one dim, with
+    the taps clamped to the border."""
+    s = _area_scale(size, out, align_corners, scale)
+    dst = np.arange(out, dtype=np.float64)
+    src = dst * s if align_corners else (dst + 0.5) * s - 0.5
+    i0 = np.floor(src).astype(np.int64)
+    t = src - i0
+    near, far = _cubic_conv(-0.75)
+    m = np.zeros((out, size))
+    for k, w in enumerate((far(t + 1), near(t), near(1 - t), far(2 - t))):
+        np.add.at(m, (np.arange(out), np.clip(i0 - 1 + k, 0, size - 1)), w)
+    return m
+
+
+def _aa_filter(mode):
+    """PyTorch's antialias filters: (filter, half width in source pixels)."""
+    if mode == "aa_linear":
+        return (lambda x: np.maximum(0.0, 1.0 - np.abs(x))), 1.0
+    near, far = _cubic_conv(-0.5)
+
+    def cubic(x):
+        x = np.abs(x)
+        return np.where(x < 1, near(x), np.where(x < 2, far(x), 0.0))
+    return cubic, 2.0
+
+
+def _aa_matrix(mode, size, out, align_corners, scale):
+    """(out, size) weights of PyTorch's antialiased resampling along one dim:
+    the filter widened by the downscale factor, normalized per row."""
+    filt, half = _aa_filter(mode)
+    s = _area_scale(size, out, align_corners, scale)
+    support = half * s if s >= 1.0 else half
+    invscale = 1.0 / s if s >= 1.0 else 1.0
+    m = np.zeros((out, size))
+    for i in range(out):
+        center = s * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        hi = min(int(center + support + 0.5), size)
+        w = filt((np.arange(lo, hi) - center + 0.5) * invscale)
+        total = w.sum()
+        m[i, lo:hi] = w / total if total != 0 else w
+    return m
+
+
 def _resample_mats(mode, in_sizes, out_sizes, align_corners, scales):
     scales = list(scales) + [None] * (len(out_sizes) - len(scales))
-    if mode == "linear":
-        return [_linear_matrix(i, o, align_corners, sc)
-                for i, o, sc in zip(in_sizes, out_sizes, scales)]
+    matrix = {"linear": _linear_matrix, "cubic": _cubic_matrix,
+              "aa_linear": partial(_aa_matrix, "aa_linear"),
+              "aa_cubic": partial(_aa_matrix, "aa_cubic")}.get(mode)
+    if matrix is not None:
+        return [matrix(i, o, align_corners, sc) for i, o, sc in zip(in_sizes, out_sizes, scales)]
     return [_nearest_matrix(i, o, sc, exact=mode == "exact")
             for i, o, sc in zip(in_sizes, out_sizes, scales)]
 
@@ -721,7 +786,7 @@ def _apply_mats(x, mats, transpose=False):
 
 
 def _upsample_lowerings(op, op_backward, mode, nd):
-    has_align = mode == "linear"
+    has_align = mode in ("linear", "cubic", "aa_linear", "aa_cubic")
 
     def forward(x, output_size, *rest):
         align = rest[0] if has_align else None
@@ -751,5 +816,10 @@ for _op, _bw, _mode, _nd in [
          "exact", 3),
         (aten.upsample_linear1d.default, aten.upsample_linear1d_backward.default, "linear", 1),
         (aten.upsample_bilinear2d.default, aten.upsample_bilinear2d_backward.default, "linear", 2),
-        (aten.upsample_trilinear3d.default, aten.upsample_trilinear3d_backward.default, "linear", 3)]:
+        (aten.upsample_trilinear3d.default, aten.upsample_trilinear3d_backward.default, "linear", 3),
+        (aten.upsample_bicubic2d.default, aten.upsample_bicubic2d_backward.default, "cubic", 2),
+        (aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa_backward.default,
+         "aa_linear", 2),
+        (aten._upsample_bicubic2d_aa.default, aten._upsample_bicubic2d_aa_backward.default,
+         "aa_cubic", 2)]:
     _upsample_lowerings(_op, _bw, _mode, _nd)
