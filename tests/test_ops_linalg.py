@@ -168,3 +168,41 @@ def test_pinv():
     sing = torch.tensor([[1.0, 2.0], [2.0, 4.0]], dtype=torch.float64)
     compare(torch.linalg.pinv, sing, grad=False)
     compare(lambda x: torch.linalg.pinv(x, atol=0.5), r(4, 3, dtype=torch.float64), grad=False)
+
+
+def _raises_like_cpu(fn, *args):
+    """fn raises on tpu the exception (type and message) it raises on CPU."""
+    with pytest.raises(Exception) as cpu:
+        fn(*args)
+    with pytest.raises(type(cpu.value)) as got:
+        fn(*[a.to(DEV) for a in args])
+    assert str(got.value) == str(cpu.value)
+
+
+def test_singular_errors_and_info():
+    sing = torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 0.0, 1.0]])
+    batch = torch.stack([torch.eye(3), sing])
+    not_pd = torch.diag(torch.tensor([1.0, 2.0, -1.0, 4.0]))
+    ones = torch.ones(3)
+    _raises_like_cpu(torch.linalg.inv, sing)
+    _raises_like_cpu(torch.linalg.inv, batch)
+    _raises_like_cpu(lambda a: torch.linalg.inv_ex(a, check_errors=True), sing)
+    _raises_like_cpu(lambda a, b: torch.linalg.solve(a, b), sing, ones)
+    _raises_like_cpu(torch.linalg.lu_factor, batch)
+    _raises_like_cpu(lambda a: torch.linalg.tensorinv(a, ind=1), sing)
+    _raises_like_cpu(torch.linalg.cholesky, not_pd)
+    _raises_like_cpu(torch.linalg.cholesky, torch.stack([torch.eye(4), not_pd]))
+    # info: LAPACK's (the first zero pivot; the order of the first leading
+    # minor that is not positive-definite).
+    compare(lambda a: torch.linalg.inv_ex(a).info, batch, grad=False)
+    compare(lambda a, b: torch.linalg.solve_ex(a, b).info, sing, ones, grad=False)
+    compare(lambda a: torch.linalg.cholesky_ex(a).info, torch.stack([torch.eye(4), not_pd, -not_pd]),
+            grad=False)
+    compare(lambda a: torch.linalg.cholesky_ex(a, upper=True).info,
+            torch.tensor([[4.0, 2.0, 1.0], [2.0, 1.0, 0.0], [1.0, 0.0, 3.0]]), grad=False)
+
+
+def test_cholesky_upper_reads_upper_triangle():
+    a = torch.triu(r(4, 4, dtype=torch.float64)) + 5 * torch.eye(4, dtype=torch.float64)
+    compare(lambda x: torch.linalg.cholesky(x, upper=True), a, grad=False)
+    compare(lambda x: torch.cholesky(x, upper=True), a, grad=False)

@@ -121,15 +121,6 @@ def _diag(x):
     return jnp.diagonal(x, axis1=-2, axis2=-1)
 
 
-def _info(*arrays):
-    """0 where every result is finite, else 1 (per batch element)."""
-    bad = None
-    for a in arrays:
-        b = jnp.any(~jnp.isfinite(a), axis=(-2, -1)) if a.ndim >= 2 else ~jnp.isfinite(a)
-        bad = b if bad is None else bad | b
-    return bad.astype(jnp.int32)
-
-
 def _lu_like_cpu(a):
     """LU of A, or of A^T when A is contiguous and real: PyTorch's CPU kernels
     factor A^T then (it is what LAPACK wants), and the backward formulas of
@@ -158,14 +149,28 @@ def linalg_slogdet(a):
     return sign, jnp.sum(jnp.log(absd), axis=-1), lu, piv
 
 
+def _lu_info(lu):
+    """getrf's info: the 1-based index of U's first zero diagonal element, else 0."""
+    zero = _diag(lu) == 0
+    if zero.shape[-1] == 0:
+        return jnp.zeros(zero.shape[:-1], jnp.int32)
+    first = jnp.argmax(zero, axis=-1) + 1
+    return jnp.where(jnp.any(zero, axis=-1), first, 0).astype(jnp.int32)
+
+
+def _no_check_errors(*args, check_errors=False, **kwargs):
+    """accepts hook of the *_ex ops: check_errors=True must raise from the info
+    values, which a kernel cannot; such calls take the CPU fallback."""
+    return not check_errors
+
+
 @lower(aten.linalg_lu_factor_ex.default)
 def linalg_lu_factor_ex(a, *, pivot=True, check_errors=False):
     lu, piv = _lu(a)
-    # info > 0: U is singular (a zero on the diagonal), as LAPACK reports.
-    zero = _diag(lu) == 0
-    first = jnp.argmax(zero, axis=-1) + 1
-    info = jnp.where(jnp.any(zero, axis=-1), first, 0).astype(jnp.int32)
-    return lu, piv, info
+    return lu, piv, _lu_info(lu)
+
+
+linalg_lu_factor_ex.accepts = _no_check_errors
 
 
 def _permutation_matrix(piv, m, dtype):
@@ -236,28 +241,69 @@ def linalg_solve_ex(a, b, *, left=True, check_errors=False):
     x = linalg_lu_solve(lu, piv, bm, left=left)
     if vec:
         x = x[..., 0] if left else x[..., 0, :]
-    info = jnp.zeros(lu.shape[:-2], jnp.int32)
-    return x, lu, piv, info
+    return x, lu, piv, _lu_info(lu)
+
+
+linalg_solve_ex.accepts = _no_check_errors
 
 
 @lower(aten.linalg_inv_ex.default)
 def linalg_inv_ex(a, *, check_errors=False):
-    inv = jnp.linalg.inv(a)
-    return inv, _info(inv)
+    # As on CPU: solve A X = I through the LU of A, whose info is reported.
+    lu, piv = _lu(a)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    return _lu_solve(lu, piv, eye), _lu_info(lu)
+
+
+linalg_inv_ex.accepts = _no_check_errors
+
+
+def _cholesky_info(a):
+    """potrf's info for the lower triangle of a: the order of the first leading
+    minor that is not positive-definite, else 0. An unblocked Cholesky, column
+    by column (the factorization itself comes back all NaN on failure)."""
+    n = a.shape[-1]
+    rows = jnp.arange(n)
+
+    def step(k, state):
+        L, info = state
+        lk = jnp.where(rows < k, L[..., k, :], 0)  # row k of L, first k columns
+        d = jnp.real(a[..., k, k]) - jnp.sum(jnp.abs(lk) ** 2, axis=-1)
+        ok = d > 0  # False for NaN, as in potrf
+        info = jnp.where((info == 0) & ~ok, k + 1, info)
+        col = (a[..., :, k] - jnp.einsum("...ij,...j->...i", L, jnp.conj(lk),
+                                         precision=HIGHEST)) / jnp.sqrt(jnp.where(ok, d, 1))[..., None]
+        col = jnp.where(rows > k, col, 0)
+        L = L.at[..., :, k].set(col)
+        return L, info
+
+    info = jnp.zeros(a.shape[:-2], jnp.int32)
+    return lax.fori_loop(0, n, step, (jnp.zeros_like(a), info))[1]
+
+
+def _cholesky(a, upper):
+    """The factor of the triangle LAPACK reads: A's upper one when upper."""
+    if upper:
+        a = jnp.conj(_mT(a))
+    L = lax.linalg.cholesky(a, symmetrize_input=False)
+    return L, a
 
 
 @lower(aten.linalg_cholesky_ex.default)
 def linalg_cholesky_ex(a, *, upper=False, check_errors=False):
-    L = lax.linalg.cholesky(a, symmetrize_input=False)
-    # LAPACK's info: the order of the first non-positive leading minor.
-    bad = ~jnp.isfinite(_diag(L))
-    info = jnp.where(jnp.any(bad, axis=-1), jnp.argmax(bad, axis=-1) + 1, 0).astype(jnp.int32)
+    L, low = _cholesky(a, upper)
+    bad = jnp.any(~jnp.isfinite(_diag(L)))
+    # The info loop runs only when some factorization failed.
+    info = lax.cond(bad, _cholesky_info, lambda x: jnp.zeros(x.shape[:-2], jnp.int32), low)
     return (jnp.conj(_mT(L)) if upper else L), info
+
+
+linalg_cholesky_ex.accepts = _no_check_errors
 
 
 @lower(aten.cholesky.default)
 def cholesky(a, upper=False):
-    L = lax.linalg.cholesky(a, symmetrize_input=False)
+    L, _ = _cholesky(a, upper)
     return jnp.conj(_mT(L)) if upper else L
 
 
