@@ -206,3 +206,18 @@ def test_cholesky_upper_reads_upper_triangle():
     a = torch.triu(r(4, 4, dtype=torch.float64)) + 5 * torch.eye(4, dtype=torch.float64)
     compare(lambda x: torch.linalg.cholesky(x, upper=True), a, grad=False)
     compare(lambda x: torch.cholesky(x, upper=True), a, grad=False)
+
+
+def test_eig():
+    a = r(2, 4, 4, dtype=torch.float64)
+    compare(torch.linalg.eigvals, a)
+    w, v = torch.linalg.eig(a.to(DEV))
+    wc, vc = torch.linalg.eig(a)
+    assert w.dtype == wc.dtype and v.dtype == vc.dtype
+    torch.testing.assert_close(w.cpu(), wc)
+    # Eigenvectors are defined up to a phase: compare magnitudes and A V = V diag(w).
+    torch.testing.assert_close(v.cpu().abs(), vc.abs())
+    torch.testing.assert_close((a.to(v.dtype) @ v.cpu()), v.cpu() * w.cpu()[..., None, :])
+    out = torch.empty(2, 4, dtype=torch.complex128).to(DEV)
+    torch.linalg.eigvals(a.to(DEV), out=out)
+    torch.testing.assert_close(out.cpu(), wc)

@@ -391,3 +391,16 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     if hermitian:
         return jnp.matmul(v * inv[..., None, :], jnp.conj(_mT(v)), precision=HIGHEST)
     return jnp.matmul(jnp.conj(_mT(vh)) * inv[..., None, :], jnp.conj(_mT(u)), precision=HIGHEST)
+
+
+@lower(aten.linalg_eig.default)
+def linalg_eig(a):
+    # LAPACK's geev, as on CPU: unit-norm eigenvectors, largest component real.
+    w, v = lax.linalg.eig(a, compute_left_eigenvectors=False)
+    return w, v
+
+
+@lower(aten.linalg_eigvals.default)
+def linalg_eigvals(a):
+    # Reached through linalg_eigvals.out (the op itself is composite).
+    return lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=False)[0]
