@@ -210,7 +210,7 @@ def test_cholesky_upper_reads_upper_triangle():
 
 def test_eig():
     a = r(2, 4, 4, dtype=torch.float64)
-    compare(torch.linalg.eigvals, a)
+    compare(lambda x: torch.view_as_real(torch.linalg.eigvals(x)), a)
     w, v = torch.linalg.eig(a.to(DEV))
     wc, vc = torch.linalg.eig(a)
     assert w.dtype == wc.dtype and v.dtype == vc.dtype
