@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
+import numpy as np
 import torch
 from jax import lax
 
@@ -250,7 +251,14 @@ def polygamma(n, x):
         return _digamma(x).astype(res)
     if n == 1:
         return _trigamma(x).astype(res)
-    return (((-1.0) ** (n + 1)) * math.factorial(n) * _zeta(jnp.asarray(n + 1.0, x.dtype), x)).astype(res)
+    # PyTorch: (+-1) * exp(lgamma(n + 1)) * zeta(n + 1, x), the factor in the
+    # input's float type (float32 for bf16), the zeta rounded to the input's.
+    fdt = jnp.float32 if jnp.dtype(res).itemsize < 4 else res
+    # exp(lgamma(n + 1)) as libm rounds it in fdt (not exactly n!).
+    lg = np.asarray(math.lgamma(n + 1), fdt)
+    fact = np.asarray(math.exp(float(lg)), fdt) * (1 if n % 2 else -1)
+    z = _zeta(jnp.asarray(n + 1.0, x.dtype), x, res).astype(res).astype(fdt)
+    return (fact * z).astype(res)
 
 
 @lower(aten.mvlgamma.default)
@@ -440,11 +448,63 @@ def xlog1py(x, y):
     return _xlogy(x, y, jnp.log1p)
 
 
-def _zeta(x, q):
-    # Cephes (PyTorch): inf at x = 1 and at the poles q = 0, -1, ...; nan for x < 1.
-    pole = (x == 1) | ((q <= 0) & (q == jnp.floor(q)))
-    out = jnp.where(pole, jnp.inf, jss.zeta(x, q))
-    return jnp.where(x < 1, jnp.nan, out).astype(q.dtype)
+_ZETA_A = [12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
+           -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15,
+           1.8152105401943546773e17, -7.1661652561756670113e18]
+
+
+def _zeta(x, q, scalar=None):
+    """Hurwitz zeta as PyTorch's CPU kernel (Cephes): inf at x = 1 and at the
+    poles q = 0, -1, ...; nan for x < 1 and for q < 0 with x not an integer.
+    The direct sum also covers negative q (polygamma of negative x), where
+    jax's zeta does not. Computed in PyTorch's accumulation type for the
+    kernel's dtype `scalar` (default q's): float64 for float32, float32 for
+    bf16/fp16; rounded to q's dtype."""
+    out_dtype = q.dtype
+    scalar = jnp.dtype(scalar or q.dtype)
+    acc = jnp.float64 if scalar in (jnp.float32, jnp.float64) else jnp.float32
+    x, q = jnp.broadcast_arrays(x.astype(acc), q.astype(acc))
+    machep = 1.11022302462515654042E-16
+
+    def small(s, b):
+        return (-machep * s < b) & (b < machep * s)
+
+    # s = q^-x + (q+1)^-x + ... while fewer than 9 terms were added or a <= 9.
+    def cond(st):
+        i, a, b, s, done = st
+        return jnp.any(~done & ((i < 9) | (a <= 9)))
+
+    def body(st):
+        i, a, b, s, done = st
+        live = ~done & ((i < 9) | (a <= 9))
+        a2 = a + 1
+        b2 = jnp.power(a2, -x)
+        s2 = s + b2
+        return (i + 1, jnp.where(live, a2, a), jnp.where(live, b2, b), jnp.where(live, s2, s),
+                done | (live & small(s2, b2)))
+
+    pole = (q <= 0) & (q == jnp.floor(q))
+    bad = (x < 1) | ((q <= 0) & ~pole & (x != jnp.floor(x)))
+    skip = (x == 1) | pole | bad
+    qq = jnp.where(skip, 2, q)
+    _, a, b, s, done = lax.while_loop(cond, body, (0, qq, jnp.zeros_like(qq), jnp.power(qq, -x), skip))
+    # Euler-Maclaurin tail.
+    w = a
+    s = jnp.where(done, s, s + b * w / (x - 1) - 0.5 * b)
+    a, k = jnp.ones_like(s), 0.0
+    for c in _ZETA_A:
+        a = a * (x + k)
+        b = b / w
+        t = a * b / c
+        s = jnp.where(done, s, s + t)
+        done = done | (jnp.abs(t / s) < machep)
+        k += 1
+        a = a * (x + k)
+        b = b / w
+        k += 1
+    out = jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, jnp.where(
+        pole, jnp.inf, jnp.where(bad, jnp.nan, s))))
+    return out.astype(out_dtype)
 
 
 @lower(aten.special_zeta.default, aten.special_zeta.self_scalar, aten.special_zeta.other_scalar)
