@@ -202,3 +202,50 @@ def test_churning_site_recovers_when_a_graph_recurs(fused):
             assert step(7) == 21.0
     # n=7 recurs: compiled once, then every later step hits it.
     assert STATS.graph_cache_hits - hits >= 4
+
+
+def test_failed_graph_runs_op_by_op(fused, monkeypatch):
+    # A graph that fails to compile or run (an XLA limit, say) falls back to
+    # its ops' own kernels: every tensor gets its value, nothing is lost.
+    from torchtpu.modes import fused as fused_mode
+
+    def broken(nodes, live_refs):
+        def run(inputs, scalars):
+            raise RuntimeError("graph too large")
+        return run
+    monkeypatch.setattr(fused_mode, "_build_graph", broken)
+    x = torch.arange(6.0).to("tpu")
+    y = x * 3.5 + 0.25   # a graph key no other test makes
+    z = y.exp()
+    with pytest.warns(UserWarning, match="failed .*graph too large.*one by one"):
+        torch.testing.assert_close(z.cpu(), (torch.arange(6.0) * 3.5 + 0.25).exp())
+    torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 3.5 + 0.25)
+    assert metrics.snapshot()["fused_fallbacks"] == 1
+
+
+def test_failed_op_in_graph_marks_only_its_results_lost(fused, monkeypatch):
+    from torchtpu.modes import fused as fused_mode
+
+    def broken(nodes, live_refs):
+        def run(inputs, scalars):
+            raise RuntimeError("graph failed")
+        return run
+    def failing_mul(kernel, args):
+        if "mul" in kernel.name:
+            raise RuntimeError("op failed")
+        return kernel.jitted(*args)
+    monkeypatch.setattr(fused_mode, "_build_graph", broken)
+    monkeypatch.setattr(fused_mode, "_call_jitted", failing_mul)
+    x = torch.arange(4.0).to("tpu")
+    a = x + 1.5
+    b = a * 2.5
+    with pytest.warns(UserWarning, match="one by one"), pytest.raises(RuntimeError, match="op failed"):
+        b.cpu()
+    torch.testing.assert_close(a.cpu(), torch.arange(4.0) + 1.5)   # computed before the failure
+    with pytest.raises(RuntimeError, match="has no value"):
+        b.cpu()
+    with pytest.raises(RuntimeError, match="has no value"):
+        b + 1
+    monkeypatch.undo()
+    # Later graphs are unaffected.
+    torch.testing.assert_close((a * 2).cpu(), (torch.arange(4.0) + 1.5) * 2)

@@ -91,6 +91,18 @@ class _Graph:
         self.scalars = []     # dynamic scalars fed to the graph
 
 
+class Lost:
+    """The value of a tensor whose op failed in a flushed graph."""
+    __slots__ = ("error",)
+
+    def __init__(self, error):
+        self.error = error
+
+    def fail(self):
+        raise RuntimeError("torchtpu: this tensor has no value: the op that computes it failed "
+                           f"when its fused graph ran ({type(self.error).__name__}: {self.error})")
+
+
 class FusedExecutor(StrictExecutor):
     name = "fused"
 
@@ -116,6 +128,8 @@ class FusedExecutor(StrictExecutor):
             else:
                 idx = g.input_ids.get(id(x))
                 if idx is None:
+                    if type(x) is Lost:
+                        x.fail()
                     idx = g.input_ids[id(x)] = len(g.inputs)
                     g.inputs.append(x)
                 refs.append(("a", idx))
@@ -146,6 +160,8 @@ class FusedExecutor(StrictExecutor):
         reason = take_sync_reason("read")
         if type(storage.array) is Pending:
             self.flush(reason)
+        if type(storage.array) is Lost:
+            storage.array.fail()
         return storage.array
 
     def sync(self):
@@ -199,11 +215,33 @@ class FusedExecutor(StrictExecutor):
             print(f"[torchtpu fused] flush reason={reason} at {site} ops={len(g.nodes)} "
                   f"outputs={len(live)} cache={'hit' if hit else 'op-by-op' if churning else 'miss'}",
                   file=sys.stderr)
-        results = run(g.inputs, g.scalars)
+        try:
+            results = run(g.inputs, g.scalars)
+        except Exception as e:
+            results = self._recover(g, live, live_refs, site, e)
         self._last = results
         for (p, owner), value in zip(live, results):
             owner.array = value
         errors.after_flush(g, results)  # NaN/Inf checks name the op and line
+
+    def _recover(self, g, live, live_refs, site, error):
+        """A fused graph failed to compile or run: run its ops one by one.
+        If an op fails there too, the tensors it feeds are marked lost (using
+        one raises that error) and the error goes to the user; everything
+        else keeps its value."""
+        STATS.fused_fallbacks += 1
+        warnings.warn(f"torchtpu: a fused graph of {len(g.nodes)} ops flushed at {site} failed "
+                      f"({type(error).__name__}: {str(error)[:200]}); running its ops one by one",
+                      stacklevel=4)
+        values = {}
+        try:
+            return _replay(g.nodes, live_refs, g.inputs, g.scalars, _call_jitted, values)
+        except Exception as e:
+            for p, owner in live:
+                value = values.get(p.ref[1:])
+                owner.array = value if value is not None else Lost(e)
+            raise
+
 
     def _note_churn(self, site, key, hit):
         """Whether to run this flush op by op: its graph is new to this site
@@ -240,10 +278,10 @@ def _call_jitted(kernel, args):
     return kernel.jitted(*args)
 
 
-def _replay(nodes, live_refs, inputs, scalars, call):
+def _replay(nodes, live_refs, inputs, scalars, call, values=None):
     """Run the recorded nodes (call(kernel, args) runs one) and return the
-    values of live_refs."""
-    values = {}
+    values of live_refs. values: where (node, output) -> value is kept."""
+    values = {} if values is None else values
     for ni, (kernel, refs) in enumerate(nodes):
         args = []
         for r in refs:
