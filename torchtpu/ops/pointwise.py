@@ -600,6 +600,63 @@ lower(aten.bitwise_right_shift.Tensor, aten.bitwise_right_shift.Tensor_Scalar,
       aten.bitwise_right_shift.Scalar_Tensor, aten.__rshift__.Tensor, aten.__rshift__.Scalar)(_rshift)
 
 
+def _gcd(a, b):
+    # PyTorch's calc_gcd: Euclid on |a|, |b| with C's truncated remainder
+    # (|INT64_MIN| stays negative and so can the result, as on CPU).
+    a, b = jnp.broadcast_arrays(jnp.abs(a), jnp.abs(b))
+
+    def body(s):
+        a, b = s
+        nz = a != 0
+        return jnp.where(nz, lax.rem(b, jnp.where(nz, a, 1)), 0), jnp.where(nz, a, b)
+
+    return lax.while_loop(lambda s: jnp.any(s[0] != 0), body, (a, b))[1]
+
+
+@lower(aten.gcd.default)
+@guard("gcd", "bf")
+def gcd(a, b):
+    (a, b), res = promote(a, b)
+    return _gcd(a, b).astype(res)
+
+
+@lower(aten.lcm.default)
+@guard("lcm", "bf")
+def lcm(a, b):
+    (a, b), res = promote(a, b)
+    g = _gcd(a, b)
+    # |a / g * b| with truncating division and wrapping overflow, as on CPU,
+    # where C++ computes types narrower than int in int.
+    if jnp.dtype(res).itemsize < 4:
+        a, b, g = a.astype(jnp.int32), b.astype(jnp.int32), g.astype(jnp.int32)
+    out = jnp.abs(lax.div(a, jnp.where(g == 0, 1, g)) * b)
+    return jnp.where(g == 0, 0, out).astype(res)
+
+
+@lower(aten.frexp.Tensor)
+def frexp(x):
+    """Mantissa in [0.5, 1) and int32 exponent, from the bits: XLA's CPU code
+    flushes subnormal inputs to zero, std::frexp does not. 0, inf and nan
+    come back unchanged with exponent 0."""
+    if not _is_float(x):
+        raise RuntimeError("torch.frexp() only supports floating-point dtypes")
+    info = jnp.finfo(x.dtype)
+    nbits, mbits, bias = info.bits, info.nmant, info.maxexp - 1
+    ut = jnp.dtype(f"uint{nbits}")
+    bits = lax.bitcast_convert_type(x, ut)
+    sign = bits & ut.type(1 << (nbits - 1))
+    mant = (bits & ut.type((1 << mbits) - 1)).astype(jnp.int64)
+    efield = ((bits >> mbits) & ut.type((1 << (nbits - 1 - mbits)) - 1)).astype(jnp.int64)
+    special = (efield == (1 << (nbits - 1 - mbits)) - 1) | ((efield == 0) & (mant == 0))
+    # A subnormal's leading 1 moves up to the implicit bit.
+    sub = (efield == 0) & (mant != 0)
+    shift = mbits - 63 + lax.clz(mant)
+    mant = jnp.where(sub, (mant << jnp.where(sub, shift, 0)) & ((1 << mbits) - 1), mant)
+    exp = jnp.where(sub, 1 - shift, efield) - (bias - 1)
+    out = lax.bitcast_convert_type(sign | ((bias - 1) << mbits | mant).astype(ut), x.dtype)
+    return jnp.where(special, x, out), jnp.where(special, 0, exp).astype(jnp.int32)
+
+
 # ---- selection, clamping, interpolation -----------------------------------
 
 def clamp(x, min=None, max=None):
