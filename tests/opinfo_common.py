@@ -377,9 +377,18 @@ def _meta_of(x):
     return x
 
 
+# In-place ops whose storage_offset is absolute in the storage: on a view
+# into a bigger buffer they address other elements than on a fresh tensor,
+# on CPU as on tpu, so the through-a-view comparison does not apply
+# (test_aliasing checks as_strided_ on views against CPU).
+ABSOLUTE_OFFSET_OPS = {"as_strided"}
+
+
 def _check_inplace(op, sample, tol):
     """op.inplace_variant on a view (offset into a bigger buffer) mutates the
     view and the base, and returns the view itself."""
+    if op.name in ABSOLUTE_OFFSET_OPS:
+        return
     inp, args, kwargs = sample_copies(sample, False)
     try:
         expected = op.inplace_variant(inp, *args, **kwargs)

@@ -736,3 +736,12 @@ def _unsafe_view(x, size):
 
 
 SPECIAL[aten._unsafe_view.default] = _unsafe_view
+
+
+def _polygamma_(x, n):
+    # The functional variant takes (n, self), an order _functional_variant
+    # does not match.
+    return _copy_(x, dispatch(aten.polygamma.default, (n, x), {}))
+
+
+SPECIAL[aten.polygamma_.default] = _polygamma_
