@@ -296,3 +296,19 @@ def test_softmax_out():
     out = torch.empty(3, 4, device=DEV)
     torch.softmax(x.to(DEV), 1, out=out)
     assert_same(out, torch.softmax(x, 1))
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+def test_grid_sample(mode, padding):
+    torch.manual_seed(0)
+    grid = torch.rand(2, 4, 5, 2) * 2.6 - 1.3
+    for align in (False, True):
+        compare(lambda t, g: F.grid_sample(t, g, mode=mode, padding_mode=padding,
+                                           align_corners=align), r(2, 3, 6, 7), grid,
+                atol=1e-5, rtol=1e-4)
+    if mode != "bicubic":
+        grid3 = torch.rand(2, 3, 4, 2, 3) * 2.6 - 1.3
+        compare(lambda t, g: F.grid_sample(t, g, mode=mode, padding_mode=padding,
+                                           align_corners=False), r(2, 3, 4, 5, 6),
+                grid3, atol=1e-5, rtol=1e-4)

@@ -5,6 +5,7 @@ compute in float32, as PyTorch's CPU kernels do. Backward ops that have a
 simple forward are lowered as the JAX vjp of that forward, so forward and
 backward agree by construction.
 """
+import itertools
 import math
 from functools import partial
 
@@ -823,3 +824,108 @@ for _op, _bw, _mode, _nd in [
         (aten._upsample_bicubic2d_aa.default, aten._upsample_bicubic2d_aa_backward.default,
          "aa_cubic", 2)]:
     _upsample_lowerings(_op, _bw, _mode, _nd)
+
+
+# ---- grid sampling ----------------------------------------------------------
+# interpolation_mode 0/1/2 = bilinear/nearest/bicubic; padding_mode 0/1/2 =
+# zeros/border/reflection, as PyTorch's GridSamplerInterpolation/Padding.
+
+def _identity(v):
+    return v
+
+
+def _rounding(dtype):
+    """Rounds a float32 value to dtype after each step, as PyTorch's CPU grid
+    sampler computes bf16/f16 in their own type; identity for wider types."""
+    if _compute_dtype(dtype) == jnp.dtype(dtype):
+        return _identity
+    fi = jnp.finfo(dtype)
+    return lambda v: lax.reduce_precision(v, fi.nexp, fi.nmant)
+
+
+def _grid_unnormalize(c, size, align_corners, rnd):
+    if align_corners:
+        return rnd(rnd(rnd(c + 1) / 2) * (size - 1))
+    return rnd(rnd(rnd(rnd(c + 1) * size) - 1) / 2)
+
+
+def _grid_clip(c, size):
+    # Zero gradient where clipped (ties included), as CPU's clip_coordinates_set_grad.
+    return jnp.where(c <= 0, 0.0, jnp.where(c >= size - 1, size - 1.0, c)).astype(c.dtype)
+
+
+def _grid_reflect(c, twice_low, twice_high, rnd):
+    if twice_low == twice_high:
+        return jnp.zeros_like(c)
+    lo, span = twice_low / 2, (twice_high - twice_low) / 2
+    c = rnd(c - lo)
+    c = jnp.where(c < 0, -c, c)
+    extra = rnd(jnp.fmod(c, span))
+    flips = jnp.floor(rnd(c / span))
+    return jnp.where(flips % 2 == 0, rnd(extra + lo), rnd(rnd(span - extra) + lo))
+
+
+def _grid_pad(c, size, padding_mode, align_corners, rnd):
+    if padding_mode == 1:
+        return _grid_clip(c, size)
+    if padding_mode == 2:
+        c = (_grid_reflect(c, 0, 2 * (size - 1), rnd) if align_corners
+             else _grid_reflect(c, -1, 2 * size - 1, rnd))
+        return _grid_clip(c, size)
+    return c
+
+
+def _grid_taps(c, size, mode, padding_mode, align_corners, rnd):
+    """The taps one grid coordinate reads along one dim: (index, weight)."""
+    c = _grid_unnormalize(c, size, align_corners, rnd)
+    if mode == 2:
+        # Bicubic: each of the 4 taps goes through the padding on its own.
+        i0 = jnp.floor(c)
+        t = c - i0
+        near, far = _cubic_conv(-0.75)
+        pos = [jnp.trunc(_grid_pad(i0 - 1 + k, size, padding_mode, align_corners, rnd))
+               for k in range(4)]
+        return list(zip(pos, (far(t + 1), near(t), near(1 - t), far(2 - t))))
+    c = _grid_pad(c, size, padding_mode, align_corners, rnd)
+    if mode == 1:
+        return [(jnp.round(c), jnp.ones_like(c))]
+    i0 = jnp.floor(c)
+    return [(i0, rnd(i0 + 1 - c)), (i0 + 1, rnd(c - i0))]
+
+
+def _grid_sample(x, grid, mode, padding_mode, align_corners, rnd=_identity):
+    """x (N, C, *S), grid (N, *O, nd) with the last dim in (x, y[, z]) order."""
+    nd = grid.shape[-1]
+    N, C, S = x.shape[0], x.shape[1], x.shape[2:]
+    O = grid.shape[1:-1]
+    xf = x.reshape(N, C, math.prod(S))
+    per_dim = [_grid_taps(grid[..., nd - 1 - d], S[d], mode, padding_mode, align_corners, rnd)
+               for d in range(nd)]
+    out = jnp.zeros((N, C) + O, x.dtype)
+    # Taps in CPU's order (the last dim fastest), weights multiplied x first.
+    for combo in itertools.product(*per_dim):
+        flat, w, ok = 0, 1, True
+        for size, (i, _) in zip(S, combo):
+            inside = (i >= 0) & (i <= size - 1)
+            flat = flat * size + jnp.where(inside, i, 0).astype(jnp.int32)
+            ok = ok & inside
+        for _, wt in reversed(combo):
+            w = rnd(w * wt)
+        vals = jax.vmap(lambda xn, idx: xn[:, idx])(xf, flat.reshape(N, -1))
+        out = rnd(out + rnd(vals.reshape((N, C) + O) * jnp.where(ok, w, 0)[:, None]))
+    return out
+
+
+@lower(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
+def grid_sampler(x, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sample(_up(x), _up(grid), interpolation_mode, padding_mode, align_corners,
+                        _rounding(x.dtype)).astype(x.dtype)
+
+
+@lower(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)
+def grid_sampler_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners,
+                          output_mask):
+    _, vjp = jax.vjp(lambda x_, g_: _grid_sample(x_, g_, interpolation_mode, padding_mode,
+                                                 align_corners), _up(x), _up(grid))
+    gx, gg = vjp(_up(grad))
+    return (gx.astype(x.dtype) if output_mask[0] else None), gg.astype(grid.dtype)
