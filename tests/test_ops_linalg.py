@@ -221,3 +221,16 @@ def test_eig():
     out = torch.empty(2, 4, dtype=torch.complex128).to(DEV)
     torch.linalg.eigvals(a.to(DEV), out=out)
     torch.testing.assert_close(out.cpu(), wc)
+
+
+@pytest.mark.parametrize("driver", [None, "gels", "gelsy", "gelsd", "gelss"])
+def test_lstsq(driver):
+    cases = [((5, 3), (5, 2)), ((3, 5), (3, 2)), ((2, 5, 3), (2, 5)), ((1, 5, 3), (2, 5, 2)),
+             ((5, 0), (5, 2))]
+    for sa, sb in cases:
+        if driver in ("gelsd", "gelss") and sa[-2] > sa[-1]:
+            continue  # residuals' shape depends on the rank: the CPU fallback
+        fn = lambda a, b: tuple(torch.linalg.lstsq(a, b, driver=driver))  # noqa: E731
+        compare(fn, r(*sa, dtype=torch.float64), r(*sb, dtype=torch.float64), grad=False)
+    compare(lambda a, b: torch.linalg.lstsq(a, b, driver=driver).solution,
+            r(2, 4, 4, dtype=torch.float64), r(2, 4, 2, dtype=torch.float64))

@@ -404,3 +404,41 @@ def linalg_eig(a):
 def linalg_eigvals(a):
     # Reached through linalg_eigvals.out (the op itself is composite).
     return lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=False)[0]
+
+
+@lower(aten.linalg_lstsq.default)
+def linalg_lstsq(a, b, rcond=None, *, driver=None):
+    """Through the SVD of A: for full-rank A every LAPACK driver's solution
+    (the least-squares one, minimum-norm when m < n). The outputs are shaped
+    as on CPU: residuals when m > n and the driver is not gelsy, rank unless
+    gels, singular values for gelsd and gelss (rank and singular values over
+    A's batch dims, not the broadcast ones)."""
+    driver = driver or "gelsy"
+    m, n = a.shape[-2:]
+    real = jnp.finfo(a.dtype).dtype
+    vec = _vector_rhs(a, b)
+    bm = b[..., None] if vec else b
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    if rcond is None:
+        rcond = jnp.finfo(real).eps * max(m, n)
+    smax = s[..., :1] if s.shape[-1] else s
+    keep = s > rcond * smax if driver != "gels" else jnp.ones(s.shape, bool)
+    inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
+    ub = jnp.matmul(jnp.conj(_mT(u)), bm, precision=HIGHEST)
+    x = jnp.matmul(jnp.conj(_mT(vh)), inv[..., None] * ub, precision=HIGHEST)
+    empty = jnp.zeros((0,), real)
+    residuals = empty
+    if m > n and driver != "gelsy":
+        res = jnp.matmul(a, x, precision=HIGHEST) - bm
+        residuals = jnp.sum(jnp.real(res * jnp.conj(res)), axis=-2)
+        if n == 0:
+            residuals = jnp.zeros_like(residuals)  # LAPACK zeroes B and returns
+    rank = jnp.zeros((0,), jnp.int64) if driver == "gels" else jnp.sum(keep, axis=-1).astype(jnp.int64)
+    sv = s if driver in ("gelsd", "gelss") else empty
+    return (x[..., 0] if vec else x), residuals, rank, sv
+
+
+# gelsd and gelss return residuals only when every matrix has full rank: a
+# shape that depends on the values, left to the CPU fallback.
+linalg_lstsq.accepts = lambda a, b, rcond=None, *, driver=None: not (
+    driver in ("gelsd", "gelss") and a.shape[-2] > a.shape[-1])
