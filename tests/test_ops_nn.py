@@ -312,3 +312,15 @@ def test_grid_sample(mode, padding):
         compare(lambda t, g: F.grid_sample(t, g, mode=mode, padding_mode=padding,
                                            align_corners=False), r(2, 3, 4, 5, 6),
                 grid3, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_margin_losses(reduction):
+    x, t, w = r(4, 5), torch.tensor([0, 3, 4, 1]), torch.rand(5)
+    for p in (1, 2):
+        compare(lambda a: F.multi_margin_loss(a, t.to(a.device), p=p, margin=0.7,
+                                              weight=w.to(a.device), reduction=reduction), x,
+                atol=1e-5, rtol=1e-4)
+    tl = torch.tensor([[3, 0, -1, 1, 2], [1, 2, 3, 4, 0], [-1, 1, 1, 1, 1], [4, 4, -1, 0, 0]])
+    compare(lambda a: F.multilabel_margin_loss(a, tl.to(a.device), reduction=reduction), x,
+            atol=1e-5, rtol=1e-4)

@@ -630,6 +630,72 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
     return (onehot * jnp.expand_dims(contrib, cdim)).astype(x.dtype)
 
 
+def _reduce_loss(losses, reduction):
+    if reduction == 1:
+        return jnp.mean(losses)
+    return jnp.sum(losses) if reduction == 2 else losses
+
+
+def _multi_margin(x, target, p, margin, weight, reduction):
+    """sum over i != y of w[y] * max(0, margin - x[y] + x[i])^p, over C."""
+    x2 = x.reshape(-1, x.shape[-1] if x.ndim else 1)
+    t = target.reshape(-1)
+    xy = jnp.take_along_axis(x2, t[:, None], axis=1)
+    z = margin - xy + x2
+    # Strictly positive margins count (zero gradient at z == 0, as on CPU).
+    h = jnp.where(z > 0, z if p == 1 else z * z, 0)
+    h = jnp.where(jnp.arange(x2.shape[1]) == t[:, None], 0, h)
+    if weight is not None:
+        h = h * _up(weight)[t][:, None]
+    losses = jnp.sum(h, axis=1) / x2.shape[1]
+    return _reduce_loss(losses.reshape(target.shape), reduction)
+
+
+@lower(aten.multi_margin_loss.default)
+def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=1):
+    return _multi_margin(_up(x), target, p, margin, weight, reduction).astype(x.dtype)
+
+
+multi_margin_loss.static_args = ("p",)
+
+
+@lower(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=1):
+    _, vjp = jax.vjp(lambda x_: _multi_margin(x_, target, p, margin, weight, reduction), _up(x))
+    return vjp(_up(grad))[0].astype(x.dtype)
+
+
+multi_margin_loss_backward.static_args = ("p",)
+
+
+def _multilabel_margin(x, target, reduction):
+    """Targets are the class indices before the first -1; the loss sums
+    max(0, 1 - (x[target] - x[other])) over target/non-target pairs, over C."""
+    C = x.shape[-1] if x.ndim else 1
+    x2, t = x.reshape(-1, C), target.reshape(-1, C)
+    valid = jnp.cumprod(t >= 0, axis=1).astype(bool)
+    safe = jnp.where(valid, t, 0)
+    is_target = jnp.any(valid[:, :, None] & (safe[:, :, None] == jnp.arange(C)), axis=1)
+    xy = jnp.take_along_axis(x2, safe, axis=1)
+    z = 1 - xy[:, :, None] + x2[:, None, :]
+    h = jnp.where((z > 0) & valid[:, :, None] & ~is_target[:, None, :], z, 0)
+    losses = jnp.sum(h, axis=(1, 2)) / C
+    return (_reduce_loss(losses.reshape(target.shape[:-1] if target.ndim else ()), reduction),
+            is_target.reshape(target.shape))
+
+
+@lower(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(x, target, reduction):
+    out, is_target = _multilabel_margin(_up(x), target, reduction)
+    return out.astype(x.dtype), is_target.astype(x.dtype)
+
+
+@lower(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
+    _, vjp = jax.vjp(lambda x_: _multilabel_margin(x_, target, reduction)[0], _up(x))
+    return vjp(_up(grad))[0].astype(x.dtype)
+
+
 @lower(aten.native_dropout_backward.default)
 def native_dropout_backward(grad, mask, scale):
     return (grad * mask.astype(grad.dtype) * jnp.asarray(scale).astype(grad.dtype)).astype(
