@@ -249,3 +249,32 @@ def test_failed_op_in_graph_marks_only_its_results_lost(fused, monkeypatch):
     monkeypatch.undo()
     # Later graphs are unaffected.
     torch.testing.assert_close((a * 2).cpu(), (torch.arange(4.0) + 1.5) * 2)
+
+
+def test_equal_and_allclose_read_one_value(fused):
+    a = torch.tensor([1.0, 2.0, float("nan")])
+    b = a.clone()
+    ta, tb = a.to("tpu"), b.to("tpu")
+    results = [torch.equal(ta * 1, tb),   # nan != nan
+               torch.allclose(ta, tb, equal_nan=True),
+               torch.equal(ta[:2], tb[:2]),
+               torch.equal(ta, tb[:2])]   # shapes differ: no op runs
+    assert flushes() == {"item": 3}
+    assert results == [torch.equal(a * 1, b), torch.allclose(a, b, equal_nan=True),
+                       torch.equal(a[:2], b[:2]), torch.equal(a, b[:2])] == [False, True, True, False]
+    assert metrics.snapshot()["cpu_fallbacks"] == {}
+    with pytest.raises(RuntimeError, match="did not match"):
+        torch.allclose(ta, torch.ones(3, dtype=torch.long, device="tpu"))
+
+
+@pytest.mark.parametrize("op", ["__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"])
+def test_augmented_bitwise_assignment_records(fused, op):
+    # x |= m must not read values back (no flush) and matches CPU.
+    x, m = torch.tensor([5, 6, 7]), torch.tensor([3, 1, 2])
+    tx, tm = x.to("tpu"), m.to("tpu")
+    getattr(tx, op)(tm)
+    getattr(tx, op)(1)
+    assert flushes() == {}
+    getattr(x, op)(m)
+    getattr(x, op)(1)
+    assert torch.equal(tx.cpu(), x)

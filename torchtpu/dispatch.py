@@ -745,3 +745,37 @@ def _polygamma_(x, n):
 
 
 SPECIAL[aten.polygamma_.default] = _polygamma_
+
+
+# Ops that answer a Python bool: computed on tpu, one value read back.
+def _all_true(t):
+    return bool(_local_scalar_dense(dispatch(aten.all.default, (t,), {})))
+
+
+def _equal(a, b):
+    if a.shape != b.shape:
+        return False
+    return _all_true(dispatch(aten.eq.Tensor, (a, b), {}))
+
+
+def _allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return _all_true(dispatch(aten.isclose.default, (a, b, rtol, atol, equal_nan), {}))
+
+
+SPECIAL[aten.equal.default] = _equal
+
+
+# x |= m and friends: PyTorch's decomposition calls the out-of-place
+# overload packet, whose overload matching formats (prints, so syncs) the
+# tensors of every overload it rejects. Their bitwise_*_ ops are the same.
+def _alias_of(target):
+    return lambda *args, **kwargs: dispatch(target, args, kwargs)
+
+
+for _dunder, _bitwise in (("and", "and"), ("or", "or"), ("xor", "xor"),
+                          ("lshift", "left_shift"), ("rshift", "right_shift")):
+    _packet = getattr(aten, f"bitwise_{_bitwise}_")
+    SPECIAL[getattr(aten, f"__i{_dunder}__").Tensor] = _alias_of(_packet.Tensor)
+    SPECIAL[getattr(aten, f"__i{_dunder}__").Scalar] = _alias_of(
+        _packet.Scalar if "Scalar" in _packet.overloads() else _packet.Tensor_Scalar)
+SPECIAL[aten.allclose.default] = _allclose
