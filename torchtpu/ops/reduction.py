@@ -321,23 +321,224 @@ def cummin(x, dim):
 
 
 # ---- sorting and selection ---------------------------------------------------
+#
+# PyTorch's CPU sort (stable=False), topk and kthvalue run libstdc++'s
+# std::sort / std::nth_element or PyTorch's own quickselect, so the indices
+# of equal elements are whatever those algorithms' swaps leave. Their
+# partition steps are replayed here to return the same indices. A Hoare
+# partition swaps the k-th element that stops its left scan with the k-th
+# that stops its right scan, for as long as the two have not crossed, so a
+# whole partition is a few cumulative sums and gathers, done for every
+# segment of every slice at once. The arrays are (slices, n), the sorted dim
+# last; `key` is an integer key whose `<` is the algorithm's comparison.
 
-def _sort(x, dim, descending):
-    """Stable sort along dim; NaN sorts as the largest value. Descending sorts
-    the reversed array ascending and reverses back, which keeps equal elements
-    in their original order as PyTorch's stable sort does."""
+def _keys(x, descending):
+    """Integer keys (slices, n) in the CPU comparators' order: NaNs equal to
+    each other and beyond every number, -0.0 equal to 0.0."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        nan = jnp.isnan(x)
+        v = jnp.where(nan | (x == 0), jnp.zeros((), x.dtype), x)
+        iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        ns, vs, i = lax.sort((nan.astype(jnp.int8), v, iota), dimension=1, num_keys=2)
+        new = (ns[:, 1:] != ns[:, :-1]) | (vs[:, 1:] != vs[:, :-1])
+        rank = jnp.cumsum(jnp.concatenate([jnp.zeros((x.shape[0], 1), jnp.bool_), new], 1), 1, dtype=jnp.int32)
+        _, key = lax.sort((i, rank), dimension=1, num_keys=1)
+    else:
+        key = x.astype(jnp.int8) if x.dtype == jnp.bool_ else x
+    return ~key if descending else key  # ~k = -k - 1: reversed, without overflow
+
+
+def _take(a, i):
+    return jnp.take_along_axis(a, jnp.clip(i, 0, a.shape[1] - 1), axis=1)
+
+
+def _cum(flag):
+    """Exclusive prefix counts (slices, n + 1): count in [lo, hi) is
+    c[hi] - c[lo]."""
+    c = jnp.cumsum(flag, axis=1, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros_like(c[:, :1]), c], 1)
+
+
+def _slots(flag, slot):
+    """out[slot[i]] = i for each flagged i (slots distinct per slice)."""
+    n = flag.shape[1]
+    rows = lax.broadcasted_iota(jnp.int32, flag.shape, 0)
+    pos = lax.broadcasted_iota(jnp.int32, flag.shape, 1)
+    return jnp.full(flag.shape, n, jnp.int32).at[rows, jnp.where(flag, slot, n)].set(pos, mode="drop")
+
+
+def _apply(src, *arrays):
+    return [_take(a, src) for a in arrays]
+
+
+def _swap(pos, i, j, do):
+    """Gather indices that swap positions i and j where do."""
+    return jnp.where(do & (pos == i), j, jnp.where(do & (pos == j), i, pos))
+
+
+def _pairs(lstop, rstop, lo_l, hi_l, lo_r, hi_r):
+    """Left stops in [lo_l, hi_l) ranked from the left, right stops in
+    [lo_r, hi_r) from the right: each stop's rank, the counts, and tables
+    giving the position of the k-th stop at lo_l - 1 + k and lo_r - 1 + k."""
+    pos = lax.broadcasted_iota(jnp.int32, lstop.shape, 1)
+    cl, cr = _cum(lstop), _cum(rstop)
+    kl = _take(cl, pos + 1) - _take(cl, lo_l)
+    kr = _take(cr, hi_r) - _take(cr, pos)
+    nl = _take(cl, hi_l) - _take(cl, lo_l)
+    nr = _take(cr, hi_r) - _take(cr, lo_r)
+    return kl, kr, nl, nr, _slots(lstop, lo_l - 1 + kl), _slots(rstop, lo_r - 1 + kr)
+
+
+def _std_partition(key, perm, sf, sl, active):
+    """std::__unguarded_partition_pivot on each active segment [sf, sl): the
+    median of sf+1, mid, sl-1 swapped to sf is the pivot, then the scans run
+    over [sf+1, sl) stopping at key >= pivot (left) and key <= pivot (right).
+    Returns key, perm and each position's segment cut."""
+    pos = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+    a, b, c = sf + 1, sf + (sl - sf) // 2, sl - 1
+    ka, kb, kc = _take(key, a), _take(key, b), _take(key, c)
+    med = jnp.where(ka < kb, jnp.where(kb < kc, b, jnp.where(ka < kc, c, a)),
+                    jnp.where(ka < kc, a, jnp.where(kb < kc, c, b)))
+    key, perm = _apply(_swap(pos, sf, med, active), key, perm)
+    kp = _take(key, sf)
+    inside = active & (pos > sf) & (pos < sl)
+    lstop, rstop = inside & ~(key < kp), inside & ~(kp < key)
+    kl, kr, nl, nr, posl, posr = _pairs(lstop, rstop, sf + 1, sl, sf + 1, sl)
+    pr, pl = _take(posr, sf + kl), _take(posl, sf + kr)
+    swl = lstop & (kl <= nr) & (pr > pos)
+    swr = rstop & (kr <= nl) & (pl < pos)
+    cs = _cum(swl)
+    m = _take(cs, sl) - _take(cs, sf)
+    # After m swaps the left scan stops at the next left stop or, before it,
+    # at the last swapped right stop.
+    nxt = jnp.where(m + 1 <= nl, _take(posl, sf + m + 1), sl)
+    cut = jnp.minimum(nxt, jnp.where(m >= 1, _take(posr, sf + m), sl))
+    key, perm = _apply(jnp.where(swl, pr, jnp.where(swr, pl, pos)), key, perm)
+    return key, perm, cut
+
+
+def _lg(n):
+    return n.bit_length() - 1
+
+
+def _introsort(key, perm):
+    """std::sort: introsort down to segments of 16, then one insertion sort
+    (stable, so a stable sort of the result). Segments that would reach the
+    depth limit are heap-sorted by libstdc++; that is not replayed."""
+    n = key.shape[1]
+    if n > 16:
+        pos = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+
+        def cond(s):
+            return (s[0] < 2 * _lg(n)) & jnp.any(s[4] - s[3] > 16)
+
+        def body(s):
+            d, key, perm, sf, sl = s
+            active = sl - sf > 16
+            key, perm, cut = _std_partition(key, perm, sf, sl, active)
+            sf = jnp.where(active & (pos >= cut), cut, sf)
+            sl = jnp.where(active & (pos < cut), cut, sl)
+            return d + 1, key, perm, sf, sl
+        _, key, perm, _, _ = lax.while_loop(
+            cond, body, (0, key, perm, jnp.zeros_like(pos), jnp.full_like(pos, n)))
+    return lax.sort((key, perm), dimension=1, num_keys=1, is_stable=True)
+
+
+def _introselect(key, perm, nth):
+    """std::nth_element(first, first + nth, last): partition the segment
+    holding nth down to 3 elements, then insertion-sort that segment."""
+    n = key.shape[1]
+    pos = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+    sf, sl = jnp.zeros_like(pos), jnp.full_like(pos, n)
+    if n > 3:
+        def cond(s):
+            return (s[0] < 2 * _lg(n)) & jnp.any(s[4] - s[3] > 3)
+
+        def body(s):
+            d, key, perm, sf, sl = s
+            active = sl - sf > 3
+            key, perm, cut = _std_partition(key, perm, sf, sl, active)
+            sf = jnp.where(active & (cut <= nth), cut, sf)
+            sl = jnp.where(active & (cut > nth), cut, sl)
+            return d + 1, key, perm, sf, sl
+        _, key, perm, sf, sl = lax.while_loop(cond, body, (0, key, perm, sf, sl))
+    group = jnp.where((pos >= sf) & (pos < sl), sf, pos)
+    _, key, perm = lax.sort((group, key, perm), dimension=1, num_keys=2, is_stable=True)
+    return key, perm
+
+
+def _quickselect(key, perm, k):
+    """PyTorch's quick_select_template (kthvalue): median of three at L, then
+    scans from L+2 up (stop at key >= pivot) and R-1 down (key <= pivot),
+    swapping until they cross; the pivot goes to j."""
+    n = key.shape[1]
+    pos = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+
+    def body(s):
+        key, perm, lo, hi = s
+        act = hi - lo >= 2
+        key, perm = _apply(_swap(pos, (lo + hi) >> 1, lo + 1, act), key, perm)
+        for i, j in ((lo + 1, hi), (lo, hi), (lo + 1, lo)):
+            key, perm = _apply(_swap(pos, i, j, act & (_take(key, i) > _take(key, j))), key, perm)
+        kp = _take(key, lo)
+        lstop = act & (pos >= lo + 2) & (pos <= hi) & ~(kp > key)
+        rstop = act & (pos >= lo + 1) & (pos < hi) & ~(key > kp)
+        kl, kr, nl, nr, posl, posr = _pairs(lstop, rstop, lo + 2, hi + 1, lo + 1, hi)
+
+        def lk(k):  # position of the k-th left stop (k >= 1)
+            return _take(posl, lo + 1 + k)
+
+        def rk(k):
+            return _take(posr, lo + k)
+        pr, pl = rk(kl), lk(kr)
+        swl = lstop & (kl <= nr) & (pr >= pos)
+        swr = rstop & (kr <= nl) & (pl <= pos)
+        cs = _cum(swl)
+        m = _take(cs, hi + 1) - _take(cs, lo)
+        big = jnp.full_like(m, n + 1)
+        # Where the scans stop after the last swap; a swap of an element with
+        # itself (both stops at one pivot-equal element) moves both scans on.
+        tie = (m >= 1) & (lk(m) == rk(m))
+        mp = jnp.where(tie, m - 1, m)
+        i = jnp.minimum(jnp.where(m + 1 <= nl, lk(m + 1), big), jnp.where(mp >= 1, rk(mp), big))
+        j = jnp.maximum(jnp.where(m + 1 <= nr, rk(m + 1), lo), jnp.where(mp >= 1, lk(mp), lo))
+        key, perm = _apply(jnp.where(swl, pr, jnp.where(swr, pl, pos)), key, perm)
+        key, perm = _apply(_swap(pos, lo, j, act), key, perm)
+        lo2 = jnp.where(act & (j <= k), i, lo)
+        hi2 = jnp.where(act & (j >= k), j - 1, hi)
+        return key, perm, lo2, hi2
+    lo, hi = jnp.zeros_like(pos), jnp.full_like(pos, n - 1)
+    key, perm, lo, hi = lax.while_loop(lambda s: jnp.any(s[3] - s[2] >= 2), body, (key, perm, lo, hi))
+    two = (hi == lo + 1) & (_take(key, lo) > _take(key, hi))
+    key, perm = _apply(_swap(pos, lo, hi, two), key, perm)
+    return key, perm
+
+
+def _slices(x, dim):
+    """x with dim moved last, as (slices, n), and how to undo it."""
+    x = jnp.moveaxis(x, dim, -1)
+    shape = x.shape
+    return x.reshape(-1, shape[-1]), lambda y: jnp.moveaxis(y.reshape(shape[:-1] + y.shape[-1:]), -1, dim)
+
+
+def _stable_sort(x, dim, descending):
+    """A stable sort along dim, as PyTorch's stable=True."""
+    x2, back = _slices(x, dim)
+    perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
+    _, perm = lax.sort((_keys(x2, descending), perm), dimension=1, num_keys=1, is_stable=True)
+    return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
+
+
+def _sort(x, dim, descending, stable=False):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
-    n = x.shape[dim]
-    if descending:
-        x = jnp.flip(x, dim)
-    idx = lax.broadcasted_iota(jnp.int64, x.shape, dim)
-    v, i = lax.sort((x, idx), dimension=dim, num_keys=1, is_stable=True)
-    if descending:
-        v = jnp.flip(v, dim)
-        i = (n - 1) - jnp.flip(i, dim)
-    return v, i
+    if stable or x.size == 0:
+        return _stable_sort(x, dim, descending)
+    x2, back = _slices(x, dim)
+    perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
+    _, perm = _introsort(_keys(x2, descending), perm)
+    return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
 
 
 @lower(aten.sort.default)
@@ -347,7 +548,7 @@ def sort(x, dim=-1, descending=False):
 
 @lower(aten.sort.stable)
 def sort_stable(x, *, stable=None, dim=-1, descending=False):
-    return _sort(x, dim, descending)
+    return _sort(x, dim, descending, bool(stable))
 
 
 @lower(aten.argsort.default)
@@ -357,16 +558,35 @@ def argsort(x, dim=-1, descending=False):
 
 @lower(aten.argsort.stable)
 def argsort_stable(x, *, stable, dim=-1, descending=False):
-    return _sort(x, dim, descending)[1]
+    return _sort(x, dim, descending, bool(stable))[1]
 
 
 @lower(aten.topk.default)
 def topk(x, k, dim=-1, largest=True, sorted=True):
-    v, i = _sort(x, dim, largest)
     if x.ndim == 0:
-        return v, i
+        return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
-    return lax.slice_in_dim(v, 0, k, axis=dim), lax.slice_in_dim(i, 0, k, axis=dim)
+    n = x.shape[dim]
+    if k == 0 or x.size == 0:
+        v, i = _stable_sort(x, dim, largest)
+        return lax.slice_in_dim(v, 0, k, axis=dim), lax.slice_in_dim(i, 0, k, axis=dim)
+    x2, back = _slices(x, dim)
+    key = _keys(x2, largest)
+    perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
+    if k * 64 <= n:
+        # CPU runs std::partial_sort (a heap) here; its order on ties is not
+        # replayed: equal elements come in index order.
+        _, perm = lax.sort((key, perm), dimension=1, num_keys=1, is_stable=True)
+        perm = perm[:, :k]
+    else:
+        # std::nth_element at k-1, then std::sort of the k-1 before it.
+        key, perm = _introselect(key, perm, k - 1)
+        if sorted and k > 1:
+            head = _introsort(key[:, :k - 1], perm[:, :k - 1])[1]
+            perm = jnp.concatenate([head, perm[:, k - 1:k]], 1)
+        else:
+            perm = perm[:, :k]
+    return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
 
 
 def _pick(v, i, pos, dim, keepdim):
@@ -385,7 +605,10 @@ def kthvalue(x, k, dim=-1, keepdim=False):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
-    v, i = _sort(x, dim, False)
+    x2, back = _slices(x, dim)
+    perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
+    _, perm = _quickselect(_keys(x2, False), perm, k - 1)
+    v, i = back(jnp.take_along_axis(x2, perm, 1)), back(perm)
     return _pick(v, i, k - 1, dim, keepdim)
 
 
@@ -394,7 +617,8 @@ def _median(x, dim, keepdim, ignore_nan):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
-    v, i = _sort(x, dim, False)
+    # CPU's nth_element there orders equal elements by index: a stable sort.
+    v, i = _sort(x, dim, False, stable=True)
     n_valid = jnp.sum(~_isnan(x), axis=dim, keepdims=True).astype(jnp.int64)
     n = x.shape[dim]
     if ignore_nan:
