@@ -234,3 +234,13 @@ def test_lstsq(driver):
         compare(fn, r(*sa, dtype=torch.float64), r(*sb, dtype=torch.float64), grad=False)
     compare(lambda a, b: torch.linalg.lstsq(a, b, driver=driver).solution,
             r(2, 4, 4, dtype=torch.float64), r(2, 4, 2, dtype=torch.float64))
+
+
+def test_householder_family():
+    a = r(2, 5, 3, dtype=torch.float64)
+    compare(torch.geqrf, a, grad=False)
+    h, tau = torch.geqrf(a)
+    compare(torch.linalg.householder_product, h, tau)
+    compare(lambda x, t, c: torch.ormqr(x, t, c), h, tau, r(2, 5, 2, dtype=torch.float64))
+    compare(lambda x, t, c: torch.ormqr(x, t, c, left=False, transpose=True), h, tau,
+            r(2, 4, 5, dtype=torch.float64))

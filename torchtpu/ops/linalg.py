@@ -442,3 +442,20 @@ def linalg_lstsq(a, b, rcond=None, *, driver=None):
 # shape that depends on the values, left to the CPU fallback.
 linalg_lstsq.accepts = lambda a, b, rcond=None, *, driver=None: not (
     driver in ("gelsd", "gelss") and a.shape[-2] > a.shape[-1])
+
+
+@lower(aten.geqrf.default)
+def geqrf(a):
+    # LAPACK's geqrf (NumPy's "raw" QR returns its output transposed).
+    h, tau = jnp.linalg.qr(a, mode="raw")
+    return _mT(h), tau
+
+
+@lower(aten.linalg_householder_product.default)
+def linalg_householder_product(a, tau):
+    return lax.linalg.householder_product(a, tau)
+
+
+@lower(aten.ormqr.default)
+def ormqr(a, tau, c, left=True, transpose=False):
+    return lax.linalg.ormqr(a, tau, c, left=left, transpose=transpose)
