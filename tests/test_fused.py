@@ -278,3 +278,13 @@ def test_augmented_bitwise_assignment_records(fused, op):
     getattr(x, op)(m)
     getattr(x, op)(1)
     assert torch.equal(tx.cpu(), x)
+
+
+def test_linalg_error_check_reads_info(fused):
+    # linalg.inv's LAPACK info is read back (a sync, as on CUDA), not run on CPU.
+    a = torch.eye(3, device="tpu") * 2
+    torch.testing.assert_close(torch.linalg.inv(a).cpu(), torch.eye(3) / 2)
+    with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+        torch.linalg.inv(torch.zeros(3, 3, device="tpu"))
+    assert flushes() == {"linalg_check": 2}
+    assert metrics.snapshot()["cpu_fallbacks"] == {}

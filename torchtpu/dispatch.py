@@ -765,6 +765,16 @@ def _allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
 SPECIAL[aten.equal.default] = _equal
 
 
+def _linalg_check_errors(info, api_name, *, is_matrix):
+    # LAPACK's info decides whether linalg.inv & co. raise: read it back, as
+    # CUDA does, and let PyTorch's own check word the error.
+    modes.note_sync("linalg_check")
+    aten._linalg_check_errors.default(download(info), api_name, is_matrix=is_matrix)
+
+
+SPECIAL[aten._linalg_check_errors.default] = _linalg_check_errors
+
+
 # x |= m and friends: PyTorch's decomposition calls the out-of-place
 # overload packet, whose overload matching formats (prints, so syncs) the
 # tensors of every overload it rejects. Their bitwise_*_ ops are the same.
