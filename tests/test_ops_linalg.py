@@ -244,3 +244,20 @@ def test_householder_family():
     compare(lambda x, t, c: torch.ormqr(x, t, c), h, tau, r(2, 5, 2, dtype=torch.float64))
     compare(lambda x, t, c: torch.ormqr(x, t, c, left=False, transpose=True), h, tau,
             r(2, 4, 5, dtype=torch.float64))
+
+
+def test_matrix_exp_degrees():
+    # Each Taylor degree PyTorch picks by the 1-norm, a batch (always degree
+    # 18, scaled per matrix), and the trivial sizes.
+    for scale in (1e-9, 1e-5, 1e-3, 0.05, 0.2, 1.0, 4.0):
+        compare(torch.linalg.matrix_exp, r(4, 4, dtype=torch.float64) * scale)
+    batch = r(3, 4, 4, dtype=torch.float64) * torch.tensor([0.01, 1.0, 5.0], dtype=torch.float64)[:, None, None]
+    compare(torch.linalg.matrix_exp, batch)
+    compare(torch.linalg.matrix_exp, r(2, 1, 1))
+    compare(torch.linalg.matrix_exp, r(2, 0, 0), grad=False)
+    # bf16 computes in float32 (CPU's bf16 kernel reads its coefficients wrongly).
+    a = r(4, 4) * 0.5
+    out = torch.linalg.matrix_exp(a.to(torch.bfloat16).to(DEV))
+    assert out.dtype == torch.bfloat16
+    ref = torch.linalg.matrix_exp(a.to(torch.bfloat16).float()).to(torch.bfloat16)
+    torch.testing.assert_close(out.cpu(), ref)

@@ -364,10 +364,142 @@ def linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
                                        unit_diagonal=unitriangular)
 
 
+# ---- matrix exponential: PyTorch's optimized Taylor polynomials ------------
+# (Bader, Blanes, Casas 2019), with its degree choice and its scaling, so that
+# rounding errors (absolute, of the order of the result's norm) match CPU's.
+
+_MEXP_THETAS = {
+    4: (1.192092800768788e-07, 5.978858893805233e-04, 5.116619363445086e-02,
+        5.800524627688768e-01, 1.461661507209034e+00, 3.010066362817634e+00),
+    8: (2.220446049250313e-16, 2.580956802971767e-08, 3.397168839976962e-04,
+        4.991228871115323e-02, 2.996158913811580e-01, 1.090863719290036e+00),
+}
+
+_T12_B = ((9.0198e-16, 0.46932117595418237389, -0.20099424927047284052, -0.04623946134063071740),
+          (5.31597895759871264183, 1.19926790417132231573, 0.01179296240992997031,
+           0.01108844528519167989),
+          (0.18188869982170434744, 0.05502798439925399070, 0.09351590770535414968,
+           0.00610700528898058230),
+          (-2.0861320e-13, -0.13181061013830184015, -0.02027855540589259079,
+           -0.00675951846863086359))
+
+_T18_B = ((0., -1.00365581030144618291e-01, -8.02924648241156932449e-03,
+           -8.92138498045729985177e-04, 0.),
+          (0., 3.97849749499645077844e-01, 1.36783778460411720168e+00,
+           4.98289622525382669416e-01, -6.37898194594723280150e-04),
+          (-1.09676396052962061844e+01, 1.68015813878906206114e+00, 5.71779846478865511061e-02,
+           -6.98210122488052056106e-03, 3.34975017086070470649e-05),
+          (-9.04316832390810593223e-02, -6.76404519071381882256e-02, 6.75961301770459654925e-02,
+           2.95552570429315521194e-02, -1.39180257516060693404e-05),
+          (0., 0., -9.23364619367118555360e-02, -1.69364939002081722752e-02,
+           -1.40086798182036094347e-05))
+
+
+def _mm(a, b):
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def _comb(mats, coeffs):
+    """sum_j coeffs[j] * mats[j], accumulated in order as CPU does."""
+    real = jnp.finfo(mats[0].dtype).dtype
+    out = jnp.zeros_like(mats[0])
+    for m, c in zip(mats, coeffs):
+        out = out + m * jnp.asarray(c, real)
+    return out
+
+
+def _powers(a, k):
+    """The first k of I, A, A^2, A^3, A^6."""
+    out = [jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape), a]
+    if k > 2:
+        out.append(_mm(a, a))
+    if k > 3:
+        out.append(_mm(a, out[2]))
+    if k > 4:
+        out.append(_mm(out[3], out[3]))
+    return out[:k]
+
+
+def _mexp_t1(a):
+    i, a1 = _powers(a, 2)
+    return i + a1
+
+
+def _mexp_t2(a):
+    i, a1, a2 = _powers(a, 3)
+    return i + a1 + a2 / 2
+
+
+def _mexp_t4(a):
+    p = _powers(a, 3)
+    p.append(_mm(p[2], _comb(p, (1 / 2.0, 1 / 6.0, 1 / 24.0))))
+    return _comb(p, (1.0, 1.0, 0.0, 1.0))
+
+
+def _mexp_t8(a):
+    sqrt_177 = 0.1330413469565007072504e+2
+    x3 = 2. / 3.
+    x1 = x3 * ((1. + sqrt_177) / 88.)
+    x2 = x3 * ((1. + sqrt_177) / 352.)
+    x4 = (-271. + 29. * sqrt_177) / (315. * x3)
+    x5 = (-11. + 11. * sqrt_177) / (1260. * x3)
+    x6 = (-99. + 11. * sqrt_177) / (5040. * x3)
+    x7 = (89. - sqrt_177) / (5040. * x3)
+    y2 = (857. - 58. * sqrt_177) / 630.
+    p = _powers(a, 3)
+    p.append(_mm(p[2], _comb(p[1:3], (x1, x2))))                            # A4
+    p.append(_mm(_comb(p[2:4], (x3, 1.0)), _comb(p[0:4], (x4, x5, x6, x7))))  # A8
+    return _comb(p, (1.0, 1.0, y2, 0.0, 1.0))
+
+
+def _mexp_t12(a):
+    p = _powers(a, 4)
+    b = [_comb(p, row) for row in _T12_B]
+    b[2] = b[2] + _mm(b[3], b[3])
+    return b[0] + _mm(b[1] + b[2], b[2])
+
+
+def _mexp_t18(a):
+    p = _powers(a, 5)
+    b = [_comb(p, row) for row in _T18_B]
+    b[3] = b[3] + _mm(b[0], b[4])
+    return b[1] + _mm(b[2] + b[3], b[3])
+
+
+def _mexp_scale_square(a, norm, theta):
+    s = jnp.maximum(jnp.ceil(jnp.log2(norm / theta)), 0)
+    s = jnp.where(jnp.isfinite(s), s, 0)
+    x = _mexp_t18(a * jnp.power(2, -s).astype(a.dtype)[..., None, None])
+    steps = s.astype(jnp.int32)
+    return lax.fori_loop(0, jnp.max(steps, initial=0), lambda i, x: jnp.where(
+        (i < steps)[..., None, None], _mm(x, x), x), x)
+
+
 @lower(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(a):
-    return jsl.expm(a) if a.ndim == 2 else jax.vmap(jsl.expm)(a.reshape((-1,) + a.shape[-2:])
-                                                             ).reshape(a.shape)
+    n = a.shape[-1]
+    if n == 0:
+        return a
+    if n == 1:
+        return jnp.exp(a)
+    dtype = a.dtype
+    if dtype in (jnp.bfloat16, jnp.float16):
+        a = a.astype(jnp.float32)
+    thetas = _MEXP_THETAS[4 if jnp.finfo(a.dtype).bits == 32 else 8]
+    x = a.reshape((-1, n, n))
+    norm = jnp.max(jnp.sum(jnp.abs(x), axis=-2), axis=-1)
+    if x.shape[0] != 1:
+        # Batches: always degree 18, scaled by each matrix's norm.
+        out = _mexp_scale_square(x, norm, thetas[5])
+    else:
+        # One matrix: the lowest degree accurate for its norm (NaN: NaN).
+        nrm = norm[0]
+        idx = jnp.select([nrm <= t for t in thetas[:5]] + [nrm > thetas[4]], list(range(6)), 6)
+        branches = [_mexp_t1, _mexp_t2, _mexp_t4, _mexp_t8, _mexp_t12,
+                    lambda y: _mexp_scale_square(y, norm, thetas[5]),
+                    lambda y: jnp.full_like(y, jnp.nan)]
+        out = lax.switch(idx, branches, x)
+    return out.reshape(a.shape).astype(dtype)
 
 
 @lower(aten.linalg_pinv.atol_rtol_tensor)
