@@ -324,3 +324,21 @@ def test_margin_losses(reduction):
     tl = torch.tensor([[3, 0, -1, 1, 2], [1, 2, 3, 4, 0], [-1, 1, 1, 1, 1], [4, 4, -1, 0, 0]])
     compare(lambda a: F.multilabel_margin_loss(a, tl.to(a.device), reduction=reduction), x,
             atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("kw", [dict(), dict(padding_idx=2), dict(scale_grad_by_freq=True),
+                                dict(include_last_offset=True)])
+def test_embedding_bag(mode, kw):
+    if mode == "max" and kw.get("scale_grad_by_freq"):
+        return
+    idx = torch.tensor([1, 2, 4, 5, 4, 3, 2, 0, 2])
+    off = torch.tensor([0, 2, 2, 5, 9] if kw.get("include_last_offset") else [0, 2, 2, 5])
+    compare(lambda w: F.embedding_bag(idx.to(w.device), w, off.to(w.device), mode=mode, **kw),
+            r(6, 3), atol=1e-5, rtol=1e-4)
+    if mode == "sum":
+        compare(lambda w, p: F.embedding_bag(idx.to(w.device), w, off.to(w.device), mode=mode,
+                                             per_sample_weights=p, **kw), r(6, 3), r(9),
+                atol=1e-5, rtol=1e-4)
+    compare(lambda w: F.embedding_bag(idx.reshape(3, 3).to(w.device), w, mode=mode), r(6, 3),
+            atol=1e-5, rtol=1e-4)
