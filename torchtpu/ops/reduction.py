@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import lower
-from .util import KIND, ctx_dtype, jdt, promote
+from . import ctx, lower
+from .util import KIND, ctx_dtype, is_weak_scalar, jdt, promote, tdt
 
 aten = torch.ops.aten
 
@@ -648,3 +648,71 @@ def median(x):
 @lower(aten.nanmedian.default)
 def nanmedian(x):
     return _median(x.reshape(-1), 0, False, True)[0]
+
+
+# ---- searching -----------------------------------------------------------------
+
+def _bisect(seq, values, right, sorter):
+    """CPU's binary search, step for step (so NaNs land where CPU puts them):
+    per row of values (..., m) in the matching row of seq (..., n); a 1-D seq
+    serves every row. The first index whose element is >= value (> if
+    right)."""
+    n = seq.shape[-1]
+    if seq.ndim == 1:
+        seq, values = seq[None], values.reshape(1, -1)
+        sorter = None if sorter is None else sorter[None]
+    else:
+        values = values.reshape(-1, values.shape[-1])
+        seq = seq.reshape(-1, n)
+        sorter = None if sorter is None else sorter.reshape(-1, n)
+    lo = jnp.zeros(values.shape, jnp.int64)
+    hi = jnp.full(values.shape, n, jnp.int64)
+    for _ in range(n.bit_length()):
+        active = lo < hi
+        mid = lo + ((hi - lo) >> 1)
+        at = jnp.clip(mid, 0, max(n - 1, 0))
+        if sorter is not None:
+            at = jnp.clip(jnp.take_along_axis(sorter, at, axis=1), 0, max(n - 1, 0))
+        mv = jnp.take_along_axis(seq, at, axis=1)
+        go_right = ~(mv > values) if right else ~(mv >= values)
+        lo = jnp.where(active & go_right, mid + 1, lo)
+        hi = jnp.where(active & ~go_right, mid, hi)
+    return lo
+
+
+def _search_dtype(seq, value):
+    """CPU searches in promoteTypes(boundaries, input); a Python number is a
+    full (double / int64) tensor there, not a weak scalar."""
+    if is_weak_scalar(value):
+        kind = jnp.dtype(value.dtype).kind
+        value = value.astype(jnp.float64 if kind == "f" else jnp.int64 if kind in "iu" else value.dtype)
+    dt = jdt(torch.promote_types(tdt(seq.dtype), tdt(value.dtype)))
+    return seq.astype(dt), value.astype(dt)
+
+
+def _side(right, side):
+    if side is not None:
+        if side not in ("left", "right"):
+            raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but got {side}")
+        if right and side == "left":
+            raise RuntimeError("torch.searchsorted(): side and right can't be set to opposites, "
+                               "got side of left while right was True")
+        return side == "right"
+    return bool(right)
+
+
+@lower(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(seq, x, *, out_int32=False, right=False, side=None, sorter=None):
+    right = _side(right, side)
+    seq, x = _search_dtype(seq, jnp.asarray(x))
+    shape = ctx.out[0].shape
+    if x.ndim == 0:
+        x = x.reshape((1,) * max(seq.ndim, 1))
+    out = _bisect(seq, x, right, sorter)
+    return out.reshape(tuple(shape)).astype(ctx_dtype())
+
+
+@lower(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(x, boundaries, *, out_int32=False, right=False):
+    boundaries, x = _search_dtype(boundaries, jnp.asarray(x))
+    return _bisect(boundaries, x, right, None).reshape(x.shape).astype(ctx_dtype())
