@@ -31,9 +31,12 @@ def test_matmul_shape_mismatch(mode):
 
 
 def test_out_shape_mismatch(mode):
-    # PyTorch resizes out=; torchtpu refuses a resize, with a RuntimeError.
-    with pytest.raises(RuntimeError):
-        torch.add(torch.ones(3).tpu(), 1, out=torch.empty(5).tpu())
+    # As on CPU: a non-empty out= of the wrong shape is resized, with PyTorch's warning.
+    out = torch.empty(5).tpu()
+    with pytest.warns(UserWarning, match="was resized"):
+        r = torch.add(torch.ones(3).tpu(), 1, out=out)
+    assert r is out and out.shape == (3,)
+    assert torch.equal(out.cpu(), torch.full((3,), 2.0))
 
 
 def test_device_mixing(mode):
@@ -125,3 +128,10 @@ def test_error_in_a_backward_op_names_the_op(tmp_path):
     assert "aten.threshold_backward.default failed" in proc.stderr
     assert "lowering exploded" in proc.stderr
     assert "no error" not in proc.stdout
+
+
+def test_sparse_layouts_are_refused_clearly():
+    x = torch.randn(3, 3, device="tpu")
+    for convert in (x.to_sparse, x.to_sparse_csr):
+        with pytest.raises(NotImplementedError, match="sparse layouts are not supported on tpu"):
+            convert()

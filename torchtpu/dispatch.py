@@ -775,6 +775,16 @@ def _linalg_check_errors(info, api_name, *, is_matrix):
 SPECIAL[aten._linalg_check_errors.default] = _linalg_check_errors
 
 
+def _no_sparse(*args, **kwargs):
+    raise NotImplementedError("tpu tensors are dense: sparse layouts are not supported on tpu "
+                              "(keep sparse tensors on the CPU)")
+
+
+for _name in ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc"):
+    for _overload in getattr(aten, _name).overloads():
+        SPECIAL[getattr(getattr(aten, _name), _overload)] = _no_sparse
+
+
 # x |= m and friends: PyTorch's decomposition calls the out-of-place
 # overload packet, whose overload matching formats (prints, so syncs) the
 # tensors of every overload it rejects. Their bitwise_*_ ops are the same.
