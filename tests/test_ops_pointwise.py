@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
-from conftest import assert_same, to_cpu
+from conftest import assert_same, compare, to_cpu
 
 F32, F64, BF16, I64, I32, U8, BOOL = (torch.float32, torch.float64, torch.bfloat16,
                                       torch.int64, torch.int32, torch.uint8, torch.bool)
@@ -374,6 +374,93 @@ def test_error_types_match():
         torch.bitwise_and(x, x)
     with pytest.raises(RuntimeError):
         -make(BOOL).to("tpu")
+
+
+# ---- torch.special: polynomials, Bessel functions, polygamma -----------------
+
+def _lowered(fn, *args, **kw):
+    """check() with nan == nan, and nothing run on the CPU fallback."""
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    check(fn, *args, equal_nan=True, **kw)
+    assert dict(torchtpu.metrics.M.cpu_fallbacks) == before, "ran on the CPU fallback"
+
+
+POLYNOMIALS = ["chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
+               "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t",
+               "shifted_chebyshev_polynomial_u", "shifted_chebyshev_polynomial_v",
+               "shifted_chebyshev_polynomial_w", "hermite_polynomial_h", "hermite_polynomial_he",
+               "laguerre_polynomial_l", "legendre_polynomial_p"]
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", POLYNOMIALS)
+def test_orthogonal_polynomials(name, dtype):
+    # The ends of the interval, 0, |x| > 1, the trigonometric form at high
+    # degree, negative, fractional, nan and inf degrees (CPU: 0), and the
+    # nan cut-off of the Hermite polynomials above degree 128 / 512.
+    fn = getattr(torch.special, name)
+    x = torch.tensor([1.0, -1.0, 0.0, 0.5, -0.3, 1.5, -2.0, 0.9, 0.25, 0.7, -0.6, 0.1, 3.0, 2.5],
+                     dtype=dtype)
+    n = torch.tensor([5, 6, 3, 12, 25, 7, -1, 3.7, float("nan"), float("inf"), 40, 0, 1, 600],
+                     dtype=dtype)
+    _lowered(fn, x, n)
+    _lowered(fn, x, torch.arange(14))
+    _lowered(lambda t: fn(t, 9), x)
+    _lowered(lambda t: fn(0.4, t), torch.arange(12))
+
+
+BESSEL = ["bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "modified_bessel_i0",
+          "modified_bessel_i1", "modified_bessel_k0", "modified_bessel_k1",
+          "scaled_modified_bessel_k0", "scaled_modified_bessel_k1", "spherical_bessel_j0", "airy_ai"]
+
+
+@pytest.mark.parametrize("name", BESSEL)
+def test_bessel_airy(name):
+    # Every branch of the Cephes approximations: both sides of 0.5, 2, 2.09,
+    # 5, 8, 8.32 and 103.9, negative arguments, 0, infinities and nan.
+    fn = getattr(torch.special, name)
+    x = torch.cat([torch.linspace(-40, 40, 161), torch.tensor(
+        [0.0, 1e-6, -1e-6, 0.49, 2.0, 2.01, 2.09, -2.09, 5.0, 5.01, 8.0, 8.01, 8.33, 104.0, -90.5,
+         float("inf"), float("-inf"), float("nan")])])
+    for dtype in (F32, torch.float64):
+        _lowered(fn, x.to(dtype))
+    _lowered(fn, torch.arange(-6, 7))
+    with pytest.raises(NotImplementedError):
+        fn(x.to(BF16).to("tpu"))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float64], ids=str)
+def test_polygamma_negative_and_large_n(dtype):
+    # Negative x sums Hurwitz zeta's series directly, as the CPU kernel does.
+    x = torch.tensor([-8.4784, -0.5, -3.25, 0.3, 2.5, 12.0, -9.5, 1e-3], dtype=dtype)
+    for n in (2, 3, 4, 5, 7):
+        _lowered(lambda t: torch.polygamma(n, t), x, **_tol(dtype))
+    if dtype == F32:
+        compare(lambda t: torch.polygamma(2, t), x)
+    _lowered(torch.special.zeta, torch.tensor([2.0, 3.0, 4.0, 1.5, 0.5, 1.0]),
+             torch.tensor([-2.5, -0.5, -7.25, 3.0, 2.0, -1.0]))
+
+
+def test_gcd_lcm_frexp():
+    big = torch.iinfo(I64).min
+    a = torch.tensor([0, 6, -4, 7, 0, big, 12, 48, 17, big], dtype=I64)
+    b = torch.tensor([0, 4, 6, -21, 5, 6, big, -18, 0, 1], dtype=I64)
+    for dtype in (I64, I32, torch.int16, torch.int8):
+        lo, hi = max(torch.iinfo(dtype).min, -100), min(torch.iinfo(dtype).max, 100)
+        args = (a.clamp(lo, hi).to(dtype), b.clamp(lo, hi).to(dtype)) if dtype != I64 else (a, b)
+        _lowered(torch.gcd, *args)
+        _lowered(torch.lcm, *args)
+    _lowered(torch.lcm, make(U8, (40,), low=0, high=100, seed=3),
+             make(U8, (40,), low=0, high=100, seed=4))
+    with pytest.raises(NotImplementedError):
+        torch.gcd(make(F32).to("tpu"), make(F32).to("tpu"))
+    # Subnormals keep their exponent (XLA's CPU code flushes them).
+    x = torch.tensor([0.0, -0.0, 1.0, 3.5, -7.0, 1e-40, 1.4e-45, -1e-39, 3e38,
+                      float("inf"), float("-inf"), float("nan")])
+    for dtype in (F32, torch.float64, BF16, torch.float16):
+        _lowered(torch.frexp, x.to(dtype))
+    with pytest.raises(RuntimeError):
+        torch.frexp(make(I64).to("tpu"))
 
 
 # ---- _foreach_ ---------------------------------------------------------------

@@ -487,7 +487,8 @@ def _zeta(x, q, scalar=None):
     bad = (x < 1) | ((q <= 0) & ~pole & (x != jnp.floor(x)))
     skip = (x == 1) | pole | bad
     qq = jnp.where(skip, 2, q)
-    _, a, b, s, done = lax.while_loop(cond, body, (0, qq, jnp.zeros_like(qq), jnp.power(qq, -x), skip))
+    init = (0, qq, jnp.zeros_like(qq), jnp.power(qq, -x), skip)
+    _, a, b, s, done = lax.while_loop(cond, body, init)
     # Euler-Maclaurin tail.
     w = a
     s = jnp.where(done, s, s + b * w / (x - 1) - 0.5 * b)
