@@ -590,6 +590,27 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
     return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
 
 
+@lower(aten.mode.default)
+def mode(x, dim=-1, keepdim=False):
+    """CPU std::sorts each slice and takes the first most frequent value, at
+    the index of the last element of its run in that (unstable) order."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    dim = dim % x.ndim
+    x2, _ = _slices(x, dim)
+    key, perm = _introsort(_keys(x2, False), lax.broadcasted_iota(jnp.int64, x2.shape, 1))
+    pos = lax.broadcasted_iota(jnp.int32, key.shape, 1)
+    differs = key[:, 1:] != key[:, :-1]
+    edge = jnp.ones((key.shape[0], 1), jnp.bool_)
+    start = lax.cummax(jnp.where(jnp.concatenate([edge, differs], 1), pos, 0), axis=1)
+    run = jnp.where(jnp.concatenate([differs, edge], 1), pos - start + 1, 0)
+    best = jnp.argmax(run, axis=1)[:, None]
+    idx = jnp.take_along_axis(perm, best, 1)
+    val = jnp.take_along_axis(x2, idx, 1)
+    shape = x.shape[:dim] + ((1,) if keepdim else ()) + x.shape[dim + 1:]
+    return val.reshape(shape), idx.reshape(shape)
+
+
 def _pick(v, i, pos, dim, keepdim):
     """Element `pos` (per-slice int array, or int) along dim of sorted v, i."""
     pos = jnp.broadcast_to(jnp.asarray(pos, jnp.int64), v.shape[:dim] + (1,) + v.shape[dim + 1:])
