@@ -342,3 +342,22 @@ def test_embedding_bag(mode, kw):
                 atol=1e-5, rtol=1e-4)
     compare(lambda w: F.embedding_bag(idx.reshape(3, 3).to(w.device), w, mode=mode), r(6, 3),
             atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_ctc_loss(zero_infinity):
+    torch.manual_seed(0)
+    T, N, C = 12, 3, 5
+    lp = torch.randn(T, N, C).log_softmax(2)
+    tg = torch.randint(1, C, (N, 4))
+    il, tl = torch.tensor([12, 9, 7]), torch.tensor([4, 2, 3])
+    for lengths in ((il, tl), (il.tolist(), tl.tolist())):
+        compare(lambda x, t: F.ctc_loss(x, t.to(x.device), *[v.to(x.device) if torch.is_tensor(v)
+                                                            else v for v in lengths],
+                                        reduction="none", zero_infinity=zero_infinity), lp, tg,
+                atol=1e-5, rtol=1e-4)
+    # Concatenated targets, an impossible alignment (inf loss), a blank-only target.
+    flat = torch.tensor([1, 2, 2, 3, 1, 1, 1, 1, 4])
+    compare(lambda x: F.ctc_loss(x, flat.to(x.device), [12, 3, 7], [3, 6, 0],
+                                 reduction="sum", zero_infinity=zero_infinity),
+            lp, atol=1e-5, rtol=1e-4, grad=zero_infinity)

@@ -8,6 +8,7 @@ backward agree by construction.
 import itertools
 import math
 from functools import partial
+from functools import reduce as functools_reduce
 
 import jax
 import jax.numpy as jnp
@@ -694,6 +695,135 @@ def multilabel_margin_loss_forward(x, target, reduction):
 def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     _, vjp = jax.vjp(lambda x_: _multilabel_margin(x_, target, reduction)[0], _up(x))
     return vjp(_up(grad))[0].astype(x.dtype)
+
+
+# ---- CTC loss ---------------------------------------------------------------
+
+def _lse(*xs):
+    """log(sum(exp(xs))) as CPU's CTC computes it (max shifted, 0 when all are
+    -inf), -inf with a zero gradient when every term is -inf."""
+    m = functools_reduce(jnp.maximum, xs)
+    m = lax.stop_gradient(jnp.where(jnp.isneginf(m), 0, m))
+    total = sum(jnp.exp(x - m) for x in xs)
+    pos = total > 0
+    return jnp.where(pos, jnp.log(jnp.where(pos, total, 1)) + m, -jnp.inf)
+
+
+def _ctc_labels(targets, tl, blank, max_tl, N):
+    """The extended label sequence l' (N, 2*max_tl+1): blanks around each target."""
+    if targets.ndim == 1:
+        # Concatenated targets: sample n's start at the sum of the earlier lengths.
+        starts = jnp.cumsum(tl) - tl
+        j = starts[:, None] + jnp.arange(max_tl)
+        targets = targets[jnp.clip(j, 0, max(targets.shape[0] - 1, 0))]
+    s = jnp.arange(2 * max_tl + 1)
+    if not max_tl:
+        return jnp.full((N, 1), blank, jnp.int64)
+    return jnp.where(s % 2 == 1, targets[:, jnp.clip((s - 1) // 2, 0, max_tl - 1)],
+                     blank).astype(jnp.int64)
+
+
+def _ctc(lp, targets, il, tl, blank, max_tl):
+    """(neg log likelihood (N,), log_alpha (N, T, 2*max_tl+1)) of log_probs (T, N, C)."""
+    T, N, _ = lp.shape
+    il, tl = jnp.asarray(il, jnp.int64), jnp.asarray(tl, jnp.int64)
+    lab = _ctc_labels(targets, tl, blank, max_tl, N)
+    S = lab.shape[1]
+    s = jnp.arange(S)
+    prev2 = jnp.concatenate([jnp.full((N, 2), -1, lab.dtype), lab[:, :-2]], axis=1)
+    skip = (s % 2 == 1) & (s >= 2) & (lab != prev2)
+    inside = s < 2 * tl[:, None] + 1
+    lp_lab = jnp.take_along_axis(lp, jnp.broadcast_to(lab, (T, N, S)), axis=2)
+    neg = jnp.asarray(-jnp.inf, lp.dtype)
+    a0 = jnp.where(inside & ((s == 0) | ((s == 1) & (tl[:, None] > 0))), lp_lab[0], neg)
+
+    def shift(a, k):
+        return jnp.concatenate([jnp.full((N, k), neg), a[:, :-k]], axis=1)
+
+    def step(a, xs):
+        lpt, t = xs
+        new = _lse(a, shift(a, 1), jnp.where(skip, shift(a, 2), neg)) + lpt
+        new = jnp.where(inside, new, neg)
+        # Past its input length a sample's alphas stay put.
+        new = jnp.where((t < il)[:, None], new, a)
+        return new, new
+
+    last, rest = lax.scan(step, a0, (lp_lab[1:], jnp.arange(1, T)))
+    log_alpha = jnp.moveaxis(jnp.concatenate([a0[None], rest], axis=0), 0, 1)
+    end = jnp.take_along_axis(last, jnp.stack([2 * tl, jnp.maximum(2 * tl - 1, 0)], 1), axis=1)
+    nll = -_lse(end[:, 0], jnp.where(tl > 0, end[:, 1], neg))
+    return nll, log_alpha
+
+
+def _ctc_grad(lp, targets, il, tl, nll, log_alpha, blank, gr):
+    """CPU's CTC gradient: log_beta by the backward recursion, then
+    (exp(lp) - exp(lcab + nll - lp)) * grad, lcab = log sum of alpha*beta over
+    the positions of each class (taken as if log_probs were logits under a
+    log_softmax); zero past each input length."""
+    T, N, C = lp.shape
+    il, tl = jnp.asarray(il, jnp.int64), jnp.asarray(tl, jnp.int64)
+    max_tl = (log_alpha.shape[-1] - 1) // 2
+    lab = _ctc_labels(targets, tl, blank, max_tl, N)
+    S = lab.shape[1]
+    s = jnp.arange(S)
+    next2 = jnp.concatenate([lab[:, 2:], jnp.full((N, 2), -1, lab.dtype)], axis=1)
+    skip = (s < 2 * tl[:, None] - 1) & (lab != next2)
+    inside = s < 2 * tl[:, None] + 1
+    lp_lab = jnp.take_along_axis(lp, jnp.broadcast_to(lab, (T, N, S)), axis=2)
+    neg = jnp.asarray(-jnp.inf, lp.dtype)
+    start = inside & ((s == 2 * tl[:, None]) | ((s == 2 * tl[:, None] - 1) & (tl[:, None] > 0)))
+
+    def shift(b, k):
+        return jnp.concatenate([b[:, k:], jnp.full((N, k), neg)], axis=1)
+
+    def step(b, xs):
+        lpt, t = xs
+        new = _lse(b, jnp.where(s < 2 * tl[:, None], shift(b, 1), neg),
+                   jnp.where(skip, shift(b, 2), neg)) + lpt
+        new = jnp.where(inside, new, neg)
+        new = jnp.where((t == il - 1)[:, None], jnp.where(start, lpt, neg), new)
+        return new, new
+
+    _, betas = lax.scan(step, jnp.full((N, S), neg), (lp_lab[::-1], jnp.arange(T)[::-1]))
+    log_beta = betas[::-1]                                     # (T, N, S)
+    ab = jnp.moveaxis(log_alpha, 1, 0) + log_beta
+
+    def add(lcab, xs):
+        # logaddexp into each position's class, in CPU's order over s.
+        x, hit = xs
+        x = x[..., None]
+        new = jnp.where(jnp.isneginf(lcab), x,
+                        jnp.maximum(lcab, x) + jnp.log1p(jnp.exp(-jnp.abs(lcab - x))))
+        return jnp.where(hit, new, lcab), None
+
+    hits = (lab[:, :, None] == jnp.arange(C)) & inside[..., None]      # (N, S, C)
+    lcab, _ = lax.scan(add, jnp.full((T, N, C), neg),
+                       (jnp.moveaxis(ab, 2, 0), jnp.moveaxis(hits, 1, 0)))
+    out = (jnp.exp(lp) - jnp.exp(lcab + nll[None, :, None] - lp)) * gr[None, :, None]
+    live = (jnp.arange(T)[:, None] < il[None, :])[..., None]
+    return jnp.where(live, out, 0)
+
+
+@lower(aten._ctc_loss.default, aten._ctc_loss.Tensor)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    if ctx.out is not None:
+        max_tl = (ctx.out[1].shape[-1] - 1) // 2
+    else:
+        # Lengths given as tensors: log_alpha's width 2*max(target_lengths)+1
+        # depends on their values, so it is sized for the longest possible target.
+        max_tl = targets.shape[-1] if targets.ndim == 2 else targets.shape[0]
+    nll, log_alpha = _ctc(_up(log_probs), targets, input_lengths, target_lengths, blank, max_tl)
+    return nll.astype(log_probs.dtype), log_alpha.astype(log_probs.dtype)
+
+
+@lower(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
+def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha,
+                      blank, zero_infinity=False):
+    out = _ctc_grad(_up(log_probs), targets, input_lengths, target_lengths, _up(nll),
+                    _up(log_alpha), blank, _up(grad))
+    if zero_infinity:
+        out = jnp.where(jnp.isinf(_up(nll))[None, :, None], 0, out)
+    return out.astype(log_probs.dtype)
 
 
 # ---- embedding_bag ----------------------------------------------------------
