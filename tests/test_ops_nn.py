@@ -344,6 +344,10 @@ def test_embedding_bag(mode, kw):
             atol=1e-5, rtol=1e-4)
 
 
+# The backward runs on CPU from the tpu forward's nll and log_alpha (ops/nn.py says why).
+CTC_BACKWARD = ("aten._ctc_loss_backward.default", "aten._ctc_loss_backward.Tensor")
+
+
 @pytest.mark.parametrize("zero_infinity", [False, True])
 def test_ctc_loss(zero_infinity):
     torch.manual_seed(0)
@@ -355,9 +359,9 @@ def test_ctc_loss(zero_infinity):
         compare(lambda x, t: F.ctc_loss(x, t.to(x.device), *[v.to(x.device) if torch.is_tensor(v)
                                                             else v for v in lengths],
                                         reduction="none", zero_infinity=zero_infinity), lp, tg,
-                atol=1e-5, rtol=1e-4)
+                atol=1e-5, rtol=1e-4, allowed_fallbacks=CTC_BACKWARD)
     # Concatenated targets, an impossible alignment (inf loss), a blank-only target.
     flat = torch.tensor([1, 2, 2, 3, 1, 1, 1, 1, 4])
     compare(lambda x: F.ctc_loss(x, flat.to(x.device), [12, 3, 7], [3, 6, 0],
                                  reduction="sum", zero_infinity=zero_infinity),
-            lp, atol=1e-5, rtol=1e-4, grad=zero_infinity)
+            lp, atol=1e-5, rtol=1e-4, grad=zero_infinity, allowed_fallbacks=CTC_BACKWARD)

@@ -698,6 +698,11 @@ def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
 
 
 # ---- CTC loss ---------------------------------------------------------------
+# _ctc_loss_backward is left to PyTorch's CPU kernel: its gradient,
+# exp(lp) - exp(lcab + nll - lp), cancels terms of size |nll| (hundreds) in
+# float32, so XLA's exp/log (a few ulps off glibc's) move results by ~1e-4
+# relative, past OpInfo's tolerance. It reads this forward's nll and
+# log_alpha (only t < input length, s < 2*target length + 1).
 
 def _lse(*xs):
     """log(sum(exp(xs))) as CPU's CTC computes it (max shifted, 0 when all are
@@ -755,55 +760,6 @@ def _ctc(lp, targets, il, tl, blank, max_tl):
     return nll, log_alpha
 
 
-def _ctc_grad(lp, targets, il, tl, nll, log_alpha, blank, gr):
-    """CPU's CTC gradient: log_beta by the backward recursion, then
-    (exp(lp) - exp(lcab + nll - lp)) * grad, lcab = log sum of alpha*beta over
-    the positions of each class (taken as if log_probs were logits under a
-    log_softmax); zero past each input length."""
-    T, N, C = lp.shape
-    il, tl = jnp.asarray(il, jnp.int64), jnp.asarray(tl, jnp.int64)
-    max_tl = (log_alpha.shape[-1] - 1) // 2
-    lab = _ctc_labels(targets, tl, blank, max_tl, N)
-    S = lab.shape[1]
-    s = jnp.arange(S)
-    next2 = jnp.concatenate([lab[:, 2:], jnp.full((N, 2), -1, lab.dtype)], axis=1)
-    skip = (s < 2 * tl[:, None] - 1) & (lab != next2)
-    inside = s < 2 * tl[:, None] + 1
-    lp_lab = jnp.take_along_axis(lp, jnp.broadcast_to(lab, (T, N, S)), axis=2)
-    neg = jnp.asarray(-jnp.inf, lp.dtype)
-    start = inside & ((s == 2 * tl[:, None]) | ((s == 2 * tl[:, None] - 1) & (tl[:, None] > 0)))
-
-    def shift(b, k):
-        return jnp.concatenate([b[:, k:], jnp.full((N, k), neg)], axis=1)
-
-    def step(b, xs):
-        lpt, t = xs
-        new = _lse(b, jnp.where(s < 2 * tl[:, None], shift(b, 1), neg),
-                   jnp.where(skip, shift(b, 2), neg)) + lpt
-        new = jnp.where(inside, new, neg)
-        new = jnp.where((t == il - 1)[:, None], jnp.where(start, lpt, neg), new)
-        return new, new
-
-    _, betas = lax.scan(step, jnp.full((N, S), neg), (lp_lab[::-1], jnp.arange(T)[::-1]))
-    log_beta = betas[::-1]                                     # (T, N, S)
-    ab = jnp.moveaxis(log_alpha, 1, 0) + log_beta
-
-    def add(lcab, xs):
-        # logaddexp into each position's class, in CPU's order over s.
-        x, hit = xs
-        x = x[..., None]
-        new = jnp.where(jnp.isneginf(lcab), x,
-                        jnp.maximum(lcab, x) + jnp.log1p(jnp.exp(-jnp.abs(lcab - x))))
-        return jnp.where(hit, new, lcab), None
-
-    hits = (lab[:, :, None] == jnp.arange(C)) & inside[..., None]      # (N, S, C)
-    lcab, _ = lax.scan(add, jnp.full((T, N, C), neg),
-                       (jnp.moveaxis(ab, 2, 0), jnp.moveaxis(hits, 1, 0)))
-    out = (jnp.exp(lp) - jnp.exp(lcab + nll[None, :, None] - lp)) * gr[None, :, None]
-    live = (jnp.arange(T)[:, None] < il[None, :])[..., None]
-    return jnp.where(live, out, 0)
-
-
 @lower(aten._ctc_loss.default, aten._ctc_loss.Tensor)
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
     if ctx.out is not None:
@@ -814,16 +770,6 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_in
         max_tl = targets.shape[-1] if targets.ndim == 2 else targets.shape[0]
     nll, log_alpha = _ctc(_up(log_probs), targets, input_lengths, target_lengths, blank, max_tl)
     return nll.astype(log_probs.dtype), log_alpha.astype(log_probs.dtype)
-
-
-@lower(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
-def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha,
-                      blank, zero_infinity=False):
-    out = _ctc_grad(_up(log_probs), targets, input_lengths, target_lengths, _up(nll),
-                    _up(log_alpha), blank, _up(grad))
-    if zero_infinity:
-        out = jnp.where(jnp.isinf(_up(nll))[None, :, None], 0, out)
-    return out.astype(log_probs.dtype)
 
 
 # ---- embedding_bag ----------------------------------------------------------
