@@ -269,6 +269,37 @@ def foreach_max(tensors):
     return [jnp.max(x) for x in tensors]
 
 
+@lower(aten.renorm.default)
+def renorm(x, p, dim, maxnorm):
+    """CPU: each slice's norm in the accumulation type, the factor
+    maxnorm / (norm + 1e-7) rounded to x's dtype, then x * factor."""
+    dim = dim % x.ndim
+    acc = _acc(x.dtype)
+    norm = _vector_norm(x, p, [d for d in range(x.ndim) if d != dim], True, acc)
+    cap = jnp.asarray(maxnorm).astype(acc)
+    factor = jnp.where(norm > cap, cap / (norm + jnp.asarray(1e-7, acc)), jnp.ones((), acc))
+    factor = factor.astype(x.dtype).astype(acc)
+    return (x.astype(acc) * factor).astype(x.dtype)
+
+
+renorm.static_args = ("p",)
+
+
+@lower(aten.hash_tensor.default)
+def hash_tensor(x, dim=(), *, keepdim=False, mode=0):
+    """mode 0: xor of the elements as 64-bit floats / integers, bit-cast to
+    uint64."""
+    if mode != 0:
+        raise RuntimeError(f"hash_tensor only supports mode=0 (xor_sum), got {mode}")
+    wide = jnp.float64 if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.int64
+    bits = lax.bitcast_convert_type(x.astype(wide), jnp.uint64)
+    axes = _axes(x, dim)
+    out = lax.reduce(bits, jnp.uint64(0), lax.bitwise_xor, axes)
+    if keepdim:
+        out = jnp.expand_dims(out, axes)
+    return out
+
+
 # ---- scans -------------------------------------------------------------------
 
 def _scan(jfn):
