@@ -365,3 +365,27 @@ def test_ctc_loss(zero_infinity):
     compare(lambda x: F.ctc_loss(x, flat.to(x.device), [12, 3, 7], [3, 6, 0],
                                  reduction="sum", zero_infinity=zero_infinity),
             lp, atol=1e-5, rtol=1e-4, grad=zero_infinity, allowed_fallbacks=CTC_BACKWARD)
+
+
+def test_rrelu_training_noise():
+    # Random slopes: check the rule, the noise written in place and the gradient.
+    x = r(4, 50)
+    xd = x.to(DEV).requires_grad_()
+    noise = torch.empty(4, 50, device=DEV)
+    out = torch.ops.aten.rrelu_with_noise(xd, noise, 0.1, 0.3, True)
+    n = noise.cpu()
+    assert ((n >= 0.1) & (n <= 0.3) | (x > 0)).all() and (n[x > 0] == 1).all()
+    assert (n[x <= 0] != n[x <= 0][0]).any()
+    torch.testing.assert_close(out.detach().cpu(), x * n)
+    out.sum().backward()
+    torch.testing.assert_close(xd.grad.cpu(), n)
+    y = F.rrelu(x.to(DEV), 0.1, 0.3, training=True)
+    assert ((y.cpu() == x) | ((y.cpu() / x >= 0.1 - 1e-6) & (y.cpu() / x <= 0.3 + 1e-6))).all()
+    compare(lambda t: F.rrelu(t, 0.1, 0.3), x)
+
+
+def test_bilinear():
+    compare(lambda a, b, w, bias: F.bilinear(a, b, w, bias), r(6, 3), r(6, 4), r(5, 3, 4), r(5),
+            atol=1e-5, rtol=1e-4)
+    compare(lambda a, b, w: F.bilinear(a, b, w), r(2, 6, 3), r(2, 6, 4), r(5, 3, 4),
+            atol=1e-5, rtol=1e-4)
