@@ -261,3 +261,23 @@ def test_matrix_exp_degrees():
     assert out.dtype == torch.bfloat16
     ref = torch.linalg.matrix_exp(a.to(torch.bfloat16).float()).to(torch.bfloat16)
     torch.testing.assert_close(out.cpu(), ref)
+
+
+def test_low_precision_rounding_like_cpu():
+    # bf16: where CPU rounds (once for addmm/baddbmm/addmv, after each batch
+    # for addbmm, after each product for cross and addr, beta * self only for
+    # an empty product) decides the last bit: compare exactly.
+    def exact(fn, *args):
+        torch.testing.assert_close(fn(*[a.to(DEV) for a in args]).cpu(), fn(*args), rtol=0, atol=0)
+
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    m = lambda *s: (torch.randn(*s, generator=g) * 3).to(bf)  # noqa: E731
+    exact(lambda s, a, b: torch.baddbmm(s, a, b, beta=0.2, alpha=0.6), m(4, 5, 10), m(4, 5, 7), m(4, 7, 10))
+    exact(lambda s, a, b: torch.addbmm(s, a, b, beta=0.6, alpha=0.2), m(5, 10), m(6, 5, 7), m(6, 7, 10))
+    exact(lambda s, a, b: torch.addmm(s, a, b, beta=0.2, alpha=0.6), m(5, 10), m(5, 7), m(7, 10))
+    exact(lambda s, a, b: torch.addmm(s, a, b, beta=0.2, alpha=0.6), m(5, 10), m(5, 0), m(0, 10))
+    exact(lambda s, a, b: torch.addbmm(s, a, b, beta=0.2), m(5, 10), m(3, 5, 0), m(3, 0, 10))
+    exact(lambda s, a, b: torch.addmv(s, a, b, beta=0.2, alpha=0.6), m(5), m(5, 9), m(9))
+    exact(lambda s, a, b: torch.addr(s, a, b, beta=0.6, alpha=0.2), m(5, 10), m(5), m(10))
+    exact(torch.linalg.cross, m(20, 3), m(20, 3))

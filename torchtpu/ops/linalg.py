@@ -43,18 +43,41 @@ def _scaled(x, s):
     return x * jnp.asarray(s).astype(x.dtype) if x.dtype != jnp.bool_ else jnp.logical_and(x, s)
 
 
-def _add_beta(self, prod, beta, alpha):
-    """beta * self + alpha * prod; beta == 0 ignores self (NaN included), as on CPU."""
+def _rounder(dtype):
+    """Rounds a float32 value to bf16/f16 (and keeps it float32): XLA may
+    otherwise skip the rounding of an intermediate result. Identity for
+    other dtypes."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        return lambda v: v
+    fi = jnp.finfo(dtype)
+    return lambda v: lax.reduce_precision(v, fi.nexp, fi.nmant)
+
+
+def _add_beta(self, prod, beta, alpha, scalars_in_dtype=False, empty=False):
+    """beta * self + alpha * prod, in prod's accumulation dtype: bf16/f16
+    round once at the end, as CPU's gemm-based kernels do (addmv's also
+    first round alpha and beta to the dtype: scalars_in_dtype). An empty
+    product (empty: a zero-size inner dimension or batch) is CPU's
+    self.mul_(beta), beta rounded to the dtype. beta == 0 ignores self (NaN
+    included), as on CPU."""
     dtype = ctx_dtype()
-    prod = _scaled(prod.astype(dtype), alpha)
-    self = jnp.broadcast_to(self.astype(dtype), prod.shape)
+    comp = jnp.dtype(jnp.bool_) if dtype == jnp.bool_ else _acc(dtype)
+    if empty and dtype in (jnp.bfloat16, jnp.float16):
+        prod, alpha, scalars_in_dtype = jnp.zeros_like(prod), 0, True
+    if scalars_in_dtype and comp != dtype:
+        rnd = _rounder(dtype)
+        alpha, beta = (s if isinstance(s, (int, float)) and s in (0, 1) else
+                       rnd(jnp.asarray(s, comp)) for s in (alpha, beta))
+    prod = _scaled(prod.astype(comp), alpha)
+    self = jnp.broadcast_to(self.astype(comp), prod.shape)
     if isinstance(beta, (int, float)):
         if beta == 0:
             return prod
         term = _scaled(self, beta)
     else:
         term = jnp.where(beta == 0, jnp.zeros_like(self), _scaled(self, beta))
-    if dtype == jnp.bool_:
+    if comp == jnp.bool_:
         return jnp.logical_or(term, prod)
     return term + prod
 
@@ -75,9 +98,15 @@ def vdot(a, b):
     return _matmul(jnp.conj(a), b)
 
 
-@lower(aten.addmm.default, aten.baddbmm.default, aten.addmv.default)
+@lower(aten.addmm.default, aten.baddbmm.default)
 def addmm(self, m1, m2, *, beta=1, alpha=1):
-    return _add_beta(self, _matmul(m1, m2, _acc(m1.dtype)), beta, alpha)
+    return _add_beta(self, _matmul(m1, m2, _acc(m1.dtype)), beta, alpha, empty=m1.shape[-1] == 0)
+
+
+@lower(aten.addmv.default)
+def addmv(self, m, v, *, beta=1, alpha=1):
+    return _add_beta(self, _matmul(m, v, _acc(m.dtype)), beta, alpha, scalars_in_dtype=True,
+                     empty=m.shape[-1] == 0)
 
 
 @lower(aten.addmm.dtype, aten.baddbmm.dtype)
@@ -87,15 +116,50 @@ def addmm_dtype(self, m1, m2, out_dtype, *, beta=1, alpha=1):
 
 @lower(aten.addbmm.default)
 def addbmm(self, b1, b2, *, beta=1, alpha=1):
-    prod = _matmul(b1, b2, _acc(b1.dtype)).sum(0)
-    return _add_beta(self, prod, beta, alpha)
+    # CPU adds the batch's products one at a time (an addmm each), rounding
+    # to bf16/f16 after each.
+    prods = _matmul(b1, b2, _acc(b1.dtype))
+    empty = 0 in (b1.shape[0], b1.shape[-1])
+    if empty or ctx_dtype() not in (jnp.bfloat16, jnp.float16):
+        return _add_beta(self, prods.sum(0), beta, alpha, empty=empty)
+    rnd = _rounder(ctx_dtype())
+    out = rnd(_add_beta(self, prods[0], beta, alpha))
+    # alpha * P outside the loop: no fused multiply-add in the loop's sum.
+    scaled = _scaled(prods, alpha)
+    return lax.fori_loop(1, prods.shape[0], lambda i, acc: rnd(acc + scaled[i]), out)
 
 
 @lower(aten.addr.default)
 def addr(self, v1, v2, *, beta=1, alpha=1):
+    dtype = ctx_dtype()
     acc = _acc(v1.dtype)
-    prod = v1.astype(acc)[:, None] * v2.astype(acc)[None, :]
-    return _add_beta(self, prod, beta, alpha)
+    if acc == dtype or dtype == jnp.bool_:
+        prod = v1.astype(acc)[:, None] * v2.astype(acc)[None, :]
+        return _add_beta(self, prod, beta, alpha)
+    # bf16/f16: CPU's elementwise kernel, beta * self + alpha * v1 * v2, one
+    # rounding per operation (alpha and beta in the dtype too).
+    rnd = _rounder(dtype)
+    a = rnd(jnp.asarray(alpha, acc))
+    prod = rnd(rnd(a * v1.astype(acc))[:, None] * v2.astype(acc)[None, :])
+    if isinstance(beta, (int, float)) and beta == 0:
+        return prod
+    term = rnd(rnd(jnp.asarray(beta, acc)) * jnp.broadcast_to(self.astype(acc), prod.shape))
+    if not isinstance(beta, (int, float)):
+        term = jnp.where(beta == 0, jnp.zeros_like(term), term)
+    return term + prod
+
+
+@lower(aten.linalg_cross.default)
+def linalg_cross(a, b, *, dim=-1):
+    # a1 b2 - a2 b1 with each product rounded to bf16/f16, as CPU's kernel.
+    dtype = ctx_dtype()
+    comp = _acc(dtype) if dtype in (jnp.bfloat16, jnp.float16) else dtype
+    rnd = _rounder(dtype)
+    a, b = jnp.broadcast_arrays(a.astype(comp), b.astype(comp))
+    ax = dim % a.ndim
+    i1, i2 = jnp.array([1, 2, 0]), jnp.array([2, 0, 1])
+    take = lambda x, i: jnp.take(x, i, axis=ax)  # noqa: E731
+    return rnd(take(a, i1) * take(b, i2)) - rnd(take(a, i2) * take(b, i1))
 
 
 # ---- factorizations ---------------------------------------------------------
