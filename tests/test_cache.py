@@ -146,6 +146,24 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
     assert s2["disk_entries"] == s1["disk_entries"]
     assert s2["compile_seconds_saved"] > 0
     _same(cold, warm)
+    if mode == "fused":
+        # Each fused graph's traced program is stored: a warm start loads it
+        # instead of tracing the graph again.
+        assert s1["disk_programs"] > 0 and s1["programs_loaded"] == 0
+        assert s2["programs_loaded"] == s1["disk_programs"] == s2["disk_programs"]
+        # A damaged program is a miss: traced again, replaced, one warning.
+        programs = [n for n in os.listdir(d) if n.startswith(cache.PROGRAM_PREFIX)
+                    and n.endswith(cache.ENTRY_SUFFIX)]
+        for name in programs:
+            with open(d / name, "r+b") as f:
+                f.truncate(10)
+        again = _run(script, d, mode)
+        s3 = again["stats"]
+        assert s3["disk_corrupt"] == len(programs) and s3["programs_loaded"] == 0
+        assert s3["compilations"] == 0   # the same program: JAX's entry still serves it
+        assert _torchtpu_warnings(again, "unreadable") == 1
+        assert _all_verified(d)
+        _same(cold, again)
     if mode == "strict":
         # Read-only: reads what is there, compiles what is new, writes nothing
         # (not even the lock file).

@@ -145,9 +145,10 @@ def _probe_writable(path):
 
 
 def disk_info(path):
-    """Entries, bytes and leftover temporary files in a cache directory."""
+    """Entries (JAX's executables), stored programs (fused graphs), bytes and
+    leftover temporary files in a cache directory."""
     info = {"dir": path, "exists": bool(path) and os.path.isdir(path), "entries": 0,
-            "bytes": 0, "unverified_entries": 0, "temp_files": 0}
+            "programs": 0, "bytes": 0, "unverified_entries": 0, "temp_files": 0}
     if not info["exists"]:
         return info
     names = set()
@@ -156,7 +157,7 @@ def disk_info(path):
             if e.name.startswith(TMP_PREFIX):
                 info["temp_files"] += 1
             elif e.name.endswith(ENTRY_SUFFIX):
-                info["entries"] += 1
+                info["programs" if e.name.startswith(PROGRAM_PREFIX) else "entries"] += 1
                 info["bytes"] += e.stat().st_size
             elif e.name.endswith(CHECK_SUFFIX):
                 info["bytes"] += e.stat().st_size
@@ -212,12 +213,14 @@ class _Stats:
         self.disk_corrupt = 0
         self.compile_seconds_saved = 0.0
         self.disk_load_seconds = 0.0
+        self.programs_loaded = 0
 
     def snapshot(self):
         return {"memory_cache_misses": self.memory_misses,
                 "disk_cache_corrupt": self.disk_corrupt,
                 "compile_seconds_saved": round(self.compile_seconds_saved, 6),
-                "disk_load_seconds": round(self.disk_load_seconds, 6)}
+                "disk_load_seconds": round(self.disk_load_seconds, 6),
+                "programs_loaded": self.programs_loaded}
 
 
 STATS = _Stats()
@@ -421,6 +424,56 @@ def jit(fn, name=None):
     return jax.jit(fn)
 
 
+# ---- stored programs ------------------------------------------------------------
+# A fused graph's traced program (StableHLO, via jax.export), stored beside
+# JAX's entries under a key that is stable across processes: a warm start
+# loads it instead of tracing and lowering the graph op by op again, and
+# JAX's persistent cache then finds the executable compiled from it.
+PROGRAM_PREFIX = "program-"
+_source_version = None
+
+
+def _source_digest():
+    """torchtpu's own code and the versions it runs on: a stored program is
+    only reused by the same lowerings."""
+    global _source_version
+    if _source_version is None:
+        import torch
+        h = hashlib.sha256(f"{jax.__version__} {torch.__version__}".encode())
+        root = pathlib.Path(__file__).parent
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+        _source_version = h.hexdigest()
+    return _source_version
+
+
+def jit_stored(fn, args, key_text, name=None):
+    """jit(fn) for these args through a stored program: key_text describes fn
+    completely and the same way in every process (None: not storable)."""
+    store_ = _jax_cc._cache if DISK_DIR is not None and _jax_cc is not None else None
+    if key_text is None or not isinstance(store_, DiskCache):
+        return jit(fn, name)
+    from jax import export
+    key = PROGRAM_PREFIX + _sha256((_source_digest() + "\n" + key_text).encode())
+    blob = store_.get(key)
+    if blob is not None:
+        try:
+            program = export.deserialize(bytearray(blob))
+            STATS.programs_loaded += 1
+            return jax.jit(program.call)
+        except Exception as e:  # a damaged program: trace again and replace it
+            store_._corrupt(key, f"{type(e).__name__}: {e}")
+    jitted = jit(fn, name)
+    try:
+        program = export.export(jitted)(*args)
+        blob = program.serialize()
+    except Exception:  # not exportable (a custom call without a stable form)
+        return jitted
+    store_.put(key, bytes(blob))
+    return jax.jit(program.call)
+
+
 def stats():
     """What the cache did in this process, and what its directory holds."""
     m = metrics.M
@@ -435,6 +488,8 @@ def stats():
         "disk_misses": m.disk_cache_misses,
         "disk_corrupt": STATS.disk_corrupt,
         "disk_entries": info.get("entries", 0),
+        "disk_programs": info.get("programs", 0),
+        "programs_loaded": STATS.programs_loaded,
         "disk_bytes": info.get("bytes", 0),
         "compilations": m.compilations,
         "compile_seconds": round(m.compile_seconds, 6),
@@ -488,6 +543,7 @@ def _main(argv=None):
         return 0
     print(f"dir                 {path}{'' if info['exists'] else ' (does not exist)'}")
     print(f"entries             {info['entries']}")
+    print(f"stored programs     {info['programs']}")
     print(f"bytes               {info['bytes']} ({_human(info['bytes'])})")
     print(f"unverified entries  {info['unverified_entries']}")
     print(f"temporary files     {info['temp_files']}")

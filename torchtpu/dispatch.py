@@ -137,10 +137,14 @@ def _functional_variant(func):
 class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
-    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written", "avals")
+    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written", "avals",
+                 "stable_key")
 
-    def __init__(self, name, fn, out_dtypes, written):
+    def __init__(self, name, fn, out_dtypes, written, stable_key=None):
         self.name = name
+        # The kernel described the same way in every process (fused mode's
+        # stored programs), or None.
+        self.stable_key = stable_key
         self.fn = fn
         self.out_dtypes = out_dtypes
         self.out_tree = None
@@ -291,7 +295,8 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
         kernel.out_tree = template
         return tuple(leaves), ()
 
-    kernel = Kernel(plan.name, fn, out_dtypes, written)
+    stable = repr((plan.name, pos_specs, kw_specs, out_dtypes))
+    kernel = Kernel(plan.name, fn, out_dtypes, written, None if " at 0x" in stable else stable)
     return kernel
 
 

@@ -203,7 +203,7 @@ class FusedExecutor(StrictExecutor):
             nodes = g.nodes
             run = lambda inputs, scalars: _replay(nodes, live_refs, inputs, scalars, _call_jitted)  # noqa: E731
         else:
-            entry = cache.store(key, (_build_graph(g.nodes, live_refs), [k for k, _ in g.nodes]))
+            entry = cache.store(key, (_build_graph(g, live_refs), [k for k, _ in g.nodes]))
             STATS.graphs_compiled += 1
             run = entry[0]
         STATS.flushes[reason] += 1
@@ -298,13 +298,28 @@ def _replay(nodes, live_refs, inputs, scalars, call, values=None):
     return [values[(r[1], r[2])] for r in live_refs]
 
 
-def _build_graph(nodes, live_refs):
-    nodes = list(nodes)
+def _build_graph(g, live_refs):
+    nodes = list(g.nodes)
     start = time.perf_counter()
 
     def graph(inputs, scalars):
         return _replay(nodes, live_refs, inputs, scalars, _call_traced)
 
-    jitted = cache.jit(graph, name=f"tpu_fused_{len(nodes)}ops")
+    graph.__name__ = graph.__qualname__ = f"tpu_fused_{len(nodes)}ops"
+    jitted = cache.jit_stored(graph, (g.inputs, g.scalars), _stable_key(nodes, live_refs, g))
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
     return jitted
+
+
+def _stable_key(nodes, live_refs, g):
+    """The graph described the same way in every process (kernels by their op
+    and argument specs, not their identity), or None if some kernel cannot be."""
+    parts = []
+    for kernel, refs in nodes:
+        if kernel.stable_key is None:
+            return None
+        parts.append(f"{kernel.stable_key} <- {refs}")
+    parts.append(f"live {live_refs}")
+    parts.append("inputs " + " ".join(f"{x.dtype}{list(x.shape)}" for x in g.inputs))
+    parts.append("scalars " + " ".join(type(x).__name__ for x in g.scalars))
+    return "\n".join(parts)
