@@ -31,6 +31,19 @@ DOC = os.path.join(ROOT, "docs", "performance.md")
 
 # ---- benchmarks -------------------------------------------------------------
 
+class _NullTensor(torch.Tensor):
+    """A tensor subclass whose every op returns a new, empty wrapper."""
+    @staticmethod
+    def __new__(cls, shape, dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="tpu")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls(args[0].shape, args[0].dtype)
+
+
 def per_op(n_ops=1000, size=128, repeats=9):
     """Per-op cost of `c = c + y` on size x size float32: n_ops ops, then one sync."""
     rows = []
@@ -49,6 +62,10 @@ def per_op(n_ops=1000, size=128, repeats=9):
         return {"mode": name, "median": median / n_ops * 1e6, "best": best / n_ops * 1e6}
 
     rows.append(row("PyTorch CPU eager", loop(y_cpu, lambda c: None)))
+    # What PyTorch itself costs a Python backend per op: entering
+    # __torch_dispatch__ and making the result's wrapper tensor, nothing else.
+    floor = _NullTensor(y_cpu.shape, y_cpu.dtype)
+    rows.append(row("floor: empty __torch_dispatch__ subclass", loop(floor, lambda c: None)))
     y = y_cpu.to("tpu")
     for mode in ("fused", "strict", "debug"):
         with torchtpu.eager_mode(mode):
