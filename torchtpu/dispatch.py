@@ -595,6 +595,17 @@ def _run_other(plan, args, kwargs):
     return cpu_fallback(plan, args, kwargs)
 
 
+def _cpu_kernels_in_full():
+    """Inside __torch_dispatch__ PyTorch excludes the Conjugate, Negative and
+    ZeroTensor keys; a CPU kernel run from here must have them back, or it
+    ignores the lazy conjugation of the views it makes itself."""
+    C = torch._C
+    lazy = (C.DispatchKeySet(C.DispatchKey.Conjugate) | C.DispatchKeySet(C.DispatchKey.Negative)
+            | C.DispatchKeySet(C.DispatchKey.ZeroTensor))
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(),
+                                    C._dispatch_tls_local_exclude_set() - lazy)
+
+
 def cpu_fallback(plan, args, kwargs):
     """Run the op on CPU: copy in, run, copy results (and written args) back."""
     name = plan.name
@@ -622,7 +633,8 @@ def cpu_fallback(plan, args, kwargs):
     tensorish = plan.tensorish
     cargs = [to_cpu(a, tensorish.get(i) is _INDICES) for i, a in enumerate(args)]
     ckwargs = {k: to_cpu(v, tensorish.get(k) is _INDICES) for k, v in kwargs.items()}
-    out = plan.func(*cargs, **ckwargs)
+    with _cpu_kernels_in_full():
+        out = plan.func(*cargs, **ckwargs)
     written = set(plan.written)
     schema = plan.func._schema
     for i, a in enumerate(schema.arguments):
