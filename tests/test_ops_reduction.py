@@ -204,3 +204,77 @@ def test_no_cpu_fallback_for_core_reductions():
                lambda t: t.any(), lambda t: torch._foreach_norm([t, t])):
         fn(x)
     assert dict(torchtpu.metrics.M.cpu_fallbacks) == before
+
+
+# ---- CPU's order among equal elements, searching, histograms -----------------
+
+@pytest.mark.parametrize("dtype", [BOOL, I64, F32, BF16])
+def test_unstable_sort_topk_kthvalue_mode_tie_indices(dtype):
+    # Past 16 elements CPU's unstable sort is libstdc++'s introsort, topk an
+    # nth_element and kthvalue a quickselect: the indices of ties are theirs.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 3, (2, 40), generator=g).to(dtype)
+    check(lambda t: t.sort(1), x)
+    check(lambda t: t.sort(0, descending=True), x.t().contiguous())
+    check(lambda t: t.argsort(1, descending=True), x)
+    check(lambda t: torch.mode(t, 1), x)
+    if dtype != BOOL:
+        check(lambda t: t.topk(5, 1), x)
+        check(lambda t: t.topk(7, 1, largest=False, sorted=False), x)
+        check(lambda t: t.kthvalue(9, 1), x)
+
+
+def test_searchsorted_and_bucketize():
+    seq = torch.tensor([1., 2., 2., 3., float("nan")])
+    v = torch.tensor([[0., 2., 2.5, float("nan"), 5.]])
+    check(lambda s, x: torch.searchsorted(s, x), seq, v)
+    check(lambda s, x: torch.searchsorted(s, x, side="right", out_int32=True), seq, v)
+    check(lambda s: torch.searchsorted(s, 2.5), torch.tensor([1, 2, 3]))
+    rows = torch.tensor([[3., 1., 2.], [9., 7., 8.]])
+    check(lambda s, x, o: torch.searchsorted(s, x, sorter=o), rows,
+          torch.tensor([[2., 2.5], [7., 10.]]), rows.argsort(1))
+    check(lambda x, b: torch.bucketize(x, b, right=True), torch.tensor([[1, 5], [7, 2]]),
+          torch.tensor([1, 3, 5, 7]))
+    check(lambda x, b: torch.isin(x, b), torch.tensor([1, 5, 7, 2]), torch.tensor([7, 1]))
+    with pytest.raises(RuntimeError):
+        torch.searchsorted(seq.to("tpu"), v.to("tpu"), right=True, side="left")
+
+
+def test_histograms():
+    x = torch.randn(300, generator=torch.Generator().manual_seed(1)) * 3
+    check(lambda t: torch.histc(t, 7, -2, 2.5), x)
+    check(lambda t: torch.histc(t, 13), x)
+    # Values on the edges: division then the last bin's closed right edge.
+    check(lambda t: torch.histc(t, 10, 0, 1), torch.arange(11.) / 10)
+    check(lambda t: tuple(torch.histogram(t, 10)), torch.arange(11.) / 10)
+    check(lambda t: tuple(torch.histogram(t, 9, range=(-1., 1.), density=True)), x)
+    y = torch.randn(200, 3, generator=torch.Generator().manual_seed(2))
+    w = torch.rand(200, generator=torch.Generator().manual_seed(3))
+    check(lambda t, w: torch.histogramdd(t, [3, 4, 5], weight=w, density=True)[0], y, w)
+    with pytest.raises(NotImplementedError):
+        torch.histc(torch.arange(5).to("tpu"))
+
+
+def test_segment_reduce_nan_ties_and_gradients():
+    x = torch.tensor([[1., 0., 3., 3., float("nan"), 2., 0., 0., 5.],
+                      [2., 2., -1., 4., 0., 1., 1., 1., 3.]])
+    lengths = torch.tensor([[2, 3, 0, 4], [1, 2, 3, 3]])
+    cot = torch.tensor([[1., -2., 3., 0.5], [2., 1., -1., 4.]])
+    for reduce in ("max", "min", "sum", "mean", "prod"):
+        for initial in (None, 2.):
+            def f(t, n):
+                t = t.clone().requires_grad_()
+                out = torch.segment_reduce(t, reduce, lengths=n, axis=1, initial=initial)
+                return out, torch.autograd.grad(out, t, cot.to(t.device))[0]
+            got, expected = f(x.to("tpu"), lengths.to("tpu")), f(x, lengths)
+            assert_same(got[0].detach(), expected[0].detach(), equal_nan=True)
+            assert_same(got[1], expected[1], equal_nan=True)
+
+
+def test_renorm_and_hash_tensor():
+    x = make(F32, (4, 5))
+    check(lambda t: t.renorm(2, 0, 1.5), x)
+    check(lambda t: t.renorm(1, 1, 0.5), x.to(BF16), **_tol(BF16))
+    for dtype in (F32, I64, BOOL, BF16):
+        check(lambda t: torch.hash_tensor(t), make(dtype, (4, 5)))
+        check(lambda t: torch.hash_tensor(t, 1, keepdim=True), make(dtype, (4, 5)))

@@ -367,7 +367,9 @@ def cummin(x, dim):
 def _keys(x, descending):
     """Integer keys (slices, n) in the CPU comparators' order: NaNs equal to
     each other and beyond every number, -0.0 equal to 0.0."""
-    if jnp.issubdtype(x.dtype, jnp.floating):
+    if x.size == 0:
+        key = jnp.zeros(x.shape, jnp.int32)
+    elif jnp.issubdtype(x.dtype, jnp.floating):
         nan = jnp.isnan(x)
         v = jnp.where(nan | (x == 0), jnp.zeros((), x.dtype), x)
         iota = lax.broadcasted_iota(jnp.int32, x.shape, 1)
@@ -550,7 +552,10 @@ def _slices(x, dim):
     """x with dim moved last, as (slices, n), and how to undo it."""
     x = jnp.moveaxis(x, dim, -1)
     shape = x.shape
-    return x.reshape(-1, shape[-1]), lambda y: jnp.moveaxis(y.reshape(shape[:-1] + y.shape[-1:]), -1, dim)
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    return x.reshape(rows, shape[-1]), lambda y: jnp.moveaxis(y.reshape(shape[:-1] + y.shape[-1:]), -1, dim)
 
 
 def _stable_sort(x, dim, descending):
@@ -628,6 +633,8 @@ def mode(x, dim=-1, keepdim=False):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
+    if x.shape[dim] == 0:
+        raise IndexError(f"mode(): Expected reduction dim {dim} to have non-zero size.")
     x2, _ = _slices(x, dim)
     key, perm = _introsort(_keys(x2, False), lax.broadcasted_iota(jnp.int64, x2.shape, 1))
     pos = lax.broadcasted_iota(jnp.int32, key.shape, 1)
@@ -715,9 +722,12 @@ def _bisect(seq, values, right, sorter):
         seq, values = seq[None], values.reshape(1, -1)
         sorter = None if sorter is None else sorter[None]
     else:
-        values = values.reshape(-1, values.shape[-1])
-        seq = seq.reshape(-1, n)
-        sorter = None if sorter is None else sorter.reshape(-1, n)
+        rows = 1
+        for s in seq.shape[:-1]:
+            rows *= s
+        values = values.reshape(rows, values.shape[-1])
+        seq = seq.reshape(rows, n)
+        sorter = None if sorter is None else sorter.reshape(rows, n)
     lo = jnp.zeros(values.shape, jnp.int64)
     hi = jnp.full(values.shape, n, jnp.int64)
     for _ in range(n.bit_length()):
