@@ -214,7 +214,8 @@ def _max_windows(x, flat, ok, n):
         patches = xf[..., safe]
     else:
         shape = safe.shape
-        patches = jnp.take_along_axis(xf, safe.reshape(lead + (math.prod(shape[len(lead):]),)), -1).reshape(shape)
+        per_plane = safe.reshape(lead + (math.prod(shape[len(lead):]),))
+        patches = jnp.take_along_axis(xf, per_plane, -1).reshape(shape)
     floating = jnp.issubdtype(x.dtype, jnp.floating)
     fill = -jnp.inf if floating else jnp.iinfo(x.dtype).min
     best = jnp.max(jnp.where(ok, patches, fill), axis=-1, keepdims=True)
@@ -795,7 +796,7 @@ def _bag_counts(bag, valid, num_bags):
 def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=-1):
     B = offsets.shape[0] - (1 if include_last_offset else 0)
-    L, D = indices.shape[0], weight.shape[1]
+    L = indices.shape[0]
     bag, valid = _bag_layout(indices, offsets, B, padding_idx)
     counts = _bag_counts(bag, valid, B)
     rows = _up(weight)[indices]
