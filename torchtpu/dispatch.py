@@ -401,6 +401,13 @@ def _run_lowered(plan, args, kwargs):
         else:
             out_meta = _run_meta(plan.func, args, kwargs,
                                  getattr(plan.lowering, "meta_contiguous", False))
+        fix = getattr(plan.lowering, "result_dtypes", None)
+        if fix is not None and out_meta is not None:
+            # Where CPU's kernel and PyTorch's meta kernel disagree on dtypes.
+            fargs, fkwargs = (_functional_args(plan, args, kwargs) if plan.kind == "mutate"
+                              else (args, kwargs))
+            dtypes = fix([m.dtype for m in out_meta[0]], *fargs, **fkwargs)
+            out_meta = ([m.to(d) for m, d in zip(out_meta[0], dtypes)], out_meta[1])
         out_tdtypes = tuple(m.dtype for m in out_meta[0]) if out_meta is not None else None
         entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta),
                                   out_meta, out_tdtypes))
@@ -790,6 +797,29 @@ def _linalg_check_errors(info, api_name, *, is_matrix):
 
 
 SPECIAL[aten._linalg_check_errors.default] = _linalg_check_errors
+
+
+def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    # A legacy op that updates the running stats without saying so in its
+    # schema; _native_batch_norm_legit is the same op, annotated.
+    if running_mean is None and running_var is None:
+        return dispatch(aten._native_batch_norm_legit.no_stats,
+                        (input, weight, bias, training, momentum, eps), {})
+    return dispatch(aten._native_batch_norm_legit.default,
+                    (input, weight, bias, running_mean, running_var, training, momentum, eps), {})
+
+
+SPECIAL[aten.native_batch_norm.default] = _native_batch_norm
+
+
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    # Training-mode batch norm plus CPU's empty reserve buffer.
+    out = dispatch(aten._native_batch_norm_legit.default,
+                   (input, weight, bias, running_mean, running_var, True, momentum, eps), {})
+    return (*out, torch.empty(0, dtype=torch.uint8, device=input.device))
+
+
+SPECIAL[aten._batch_norm_with_update.default] = _batch_norm_with_update
 
 
 def _no_sparse(*args, **kwargs):

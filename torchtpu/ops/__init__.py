@@ -26,7 +26,11 @@ def lower(*ops, random=False):
 
     Python numbers arrive traced unless fn.static_args names them (a tuple of
     argument names): then each value compiles its own kernel (an arange's
-    bounds, a norm's ord)."""
+    bounds, a norm's ord).
+
+    fn.result_dtypes(meta_dtypes, *args, **kwargs) -> dtypes, where set,
+    corrects the result dtypes PyTorch's meta kernel reports to what its CPU
+    kernel returns (args are the op's, tensors still torch tensors)."""
     def deco(fn):
         fn.random = random
         for op in ops:

@@ -490,6 +490,19 @@ def batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum,
     return out, jnp.zeros((0,), xs.dtype), jnp.zeros((0,), xs.dtype)
 
 
+def _stats_dtypes(meta_dtypes, x, *params, **kwargs):
+    # CPU keeps the saved mean/invstd in the input's dtype unless a parameter
+    # has another dtype (then float32); the meta kernels always say float32.
+    tensors = [p for p in params if isinstance(p, torch.Tensor)]
+    if all(p.dtype == x.dtype for p in tensors):
+        return [meta_dtypes[0], x.dtype, x.dtype, *meta_dtypes[3:]]
+    return meta_dtypes
+
+
+for _fn in (batch_norm_functional, batch_norm_no_stats, batch_norm_no_training):
+    _fn.result_dtypes = _stats_dtypes
+
+
 @lower(aten.native_batch_norm_backward.default)
 def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean,
                                save_invstd, train, eps, output_mask):
@@ -532,6 +545,9 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
 def native_layer_norm(x, normalized_shape, weight, bias, eps):
     out, mean, rstd = _layer_norm(_up(x), normalized_shape, weight, bias, eps)
     return out.astype(x.dtype), mean, rstd
+
+
+native_layer_norm.result_dtypes = _stats_dtypes
 
 
 def _norm_input_grad(gxhat, xhat, rstd, axes):
