@@ -103,6 +103,15 @@ def addmm(self, m1, m2, *, beta=1, alpha=1):
     return _add_beta(self, _matmul(m1, m2, _acc(m1.dtype)), beta, alpha, empty=m1.shape[-1] == 0)
 
 
+@lower(aten.linear.default)
+def linear(x, weight, bias=None):
+    # Reached only through linear.out (autograd decomposes linear itself).
+    prod = _matmul(x, jnp.swapaxes(weight, -1, -2), _acc(x.dtype))
+    if bias is None:
+        return prod.astype(ctx_dtype())
+    return _add_beta(bias, prod, 1, 1, empty=x.shape[-1] == 0)
+
+
 @lower(aten.addmv.default)
 def addmv(self, m, v, *, beta=1, alpha=1):
     return _add_beta(self, _matmul(m, v, _acc(m.dtype)), beta, alpha, scalars_in_dtype=True,
