@@ -473,9 +473,17 @@ def _introsort(key, perm):
             sf = jnp.where(active & (pos >= cut), cut, sf)
             sl = jnp.where(active & (pos < cut), cut, sl)
             return d + 1, key, perm, sf, sl
-        _, key, perm, _, _ = lax.while_loop(
-            cond, body, (0, key, perm, jnp.zeros_like(pos), jnp.full_like(pos, n)))
+        def replay(key, perm):
+            return lax.while_loop(cond, body, (0, key, perm, jnp.zeros_like(pos), jnp.full_like(pos, n)))[1:3]
+        # Without ties the order is the sorted one whatever the swaps were.
+        key, perm = lax.cond(_tied(key), replay, lambda k, p: (k, p), key, perm)
     return lax.sort((key, perm), dimension=1, num_keys=1, is_stable=True)
+
+
+def _tied(key):
+    """Whether any slice holds equal keys."""
+    s = jnp.sort(key, axis=1)
+    return jnp.any(s[:, 1:] == s[:, :-1])
 
 
 def _introselect(key, perm, nth):
@@ -562,7 +570,14 @@ def _stable_sort(x, dim, descending):
     """A stable sort along dim, as PyTorch's stable=True."""
     x2, back = _slices(x, dim)
     perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
-    _, perm = lax.sort((_keys(x2, descending), perm), dimension=1, num_keys=1, is_stable=True)
+    if jnp.issubdtype(x2.dtype, jnp.floating):
+        # (NaN?, value) keys: NaNs together, -0.0 with 0.0, no rank needed.
+        nan = jnp.isnan(x2)
+        v = jnp.where(nan | (x2 == 0), jnp.zeros((), x2.dtype), x2)
+        keys = ((~nan).astype(jnp.int8), -v) if descending else (nan.astype(jnp.int8), v)
+    else:
+        keys = (_keys(x2, descending),)
+    perm = lax.sort(keys + (perm,), dimension=1, num_keys=len(keys), is_stable=True)[-1]
     return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
 
 
@@ -617,12 +632,18 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
         perm = perm[:, :k]
     else:
         # std::nth_element at k-1, then std::sort of the k-1 before it.
-        key, perm = _introselect(key, perm, k - 1)
-        if sorted and k > 1:
-            head = _introsort(key[:, :k - 1], perm[:, :k - 1])[1]
-            perm = jnp.concatenate([head, perm[:, k - 1:k]], 1)
+        def replay(key, perm):
+            key, perm = _introselect(key, perm, k - 1)
+            if sorted and k > 1:
+                head = _introsort(key[:, :k - 1], perm[:, :k - 1])[1]
+                return jnp.concatenate([head, perm[:, k - 1:k]], 1)
+            return perm[:, :k]
+        if sorted:
+            # Sorted output without ties does not depend on the swaps.
+            perm = lax.cond(_tied(key), replay, lambda k_, p: lax.sort(
+                (k_, p), dimension=1, num_keys=1, is_stable=True)[1][:, :k], key, perm)
         else:
-            perm = perm[:, :k]
+            perm = replay(key, perm)
     return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
 
 
@@ -667,7 +688,10 @@ def kthvalue(x, k, dim=-1, keepdim=False):
     dim = dim % x.ndim
     x2, back = _slices(x, dim)
     perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
-    _, perm = _quickselect(_keys(x2, False), perm, k - 1)
+    key = _keys(x2, False)
+    # Without ties the k-th is the k-th of a sort, whatever the swaps were.
+    perm = lax.cond(_tied(key), lambda k_, p: _quickselect(k_, p, k - 1)[1], lambda k_, p: lax.sort(
+        (k_, p), dimension=1, num_keys=1, is_stable=True)[1], key, perm)
     v, i = back(jnp.take_along_axis(x2, perm, 1)), back(perm)
     return _pick(v, i, k - 1, dim, keepdim)
 
