@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
-from conftest import assert_same, make
+from conftest import assert_same, compare, make
 
 F32, F64, BF16, I64, I32, BOOL = (torch.float32, torch.float64, torch.bfloat16,
                                   torch.int64, torch.int32, torch.bool)
@@ -119,10 +119,10 @@ def test_index_reduce(reduce):
 def test_boolean_masks():
     x = make(F32, (4, 5))
     m = x[:, 0] > 0
-    # value-dependent result shapes go to the CPU fallback, counted
-    fb = check(lambda a, mm: a[mm], x, m, fallback=True)
-    assert fb
-    fb = check(lambda a: a[a > 0], x, fallback=True)
+    # value-dependent result shapes: the mask's count is read back, then
+    # fixed-shape kernels run (no CPU fallback)
+    check(lambda a, mm: a[mm], x, m)
+    check(lambda a: a[a > 0], x)
     # x[mask] = v with one value, or values that do not vary along the
     # masked dim, is an elementwise select
     check(lambda a, mm: a.index_put((mm,), torch.tensor(7., device=a.device)), x, m)
@@ -135,9 +135,9 @@ def test_boolean_masks():
         a[:, mm] = a[:, :1]
         return a
     check(set_cols, x, x[0] > 0)
-    # values, one per selected row: value dependent, falls back
+    # values, one per selected row: the mask becomes the rows' indices
     rows = int(m.sum())
-    check(lambda a, mm: a.index_put((mm,), torch.ones(rows, 5, device=a.device)), x, m, fallback=True)
+    check(lambda a, mm: a.index_put((mm,), torch.ones(rows, 5, device=a.device)), x, m)
 
 
 def test_setitem_and_inplace_through_views(mode):
@@ -236,3 +236,25 @@ def test_empty_indices():
     check(lambda a, i: a.gather(1, i.reshape(3, 0)), x, empty)
     check(lambda a, i: a.scatter_add(1, i.reshape(3, 0), a[:, :0]), x, empty)
     check(lambda a, i: a.index_put((i,), torch.tensor(1.0, device=a.device)), x, empty)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: x[x > 0],
+    lambda x: x[:, x[0] > 0] * 2,
+    lambda x: x[(x > 0).to(torch.uint8).bool()],
+    lambda x: torch.masked_select(x, x[0] > 0),
+    lambda x: torch.nonzero(x > 0.5),
+    lambda x: torch.argwhere(x < 0),
+])
+def test_value_dependent_sizes_on_device(mode, fn):
+    # The size is read back (one scalar); nothing runs on the CPU fallback.
+    compare(fn, make(torch.float32, (4, 5)))
+
+
+def test_mask_assignment_with_varying_values(mode):
+    def fn(x):
+        x = x.clone()
+        m = x > 0
+        x[m] = torch.arange(int(m.sum().item()), dtype=x.dtype, device=x.device)
+        return x
+    compare(fn, make(torch.float32, (4, 5)), grad=False)

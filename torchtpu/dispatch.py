@@ -789,6 +789,75 @@ def _allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
 SPECIAL[aten.equal.default] = _equal
 
 
+# Ops whose result size depends on values: read that size back (one scalar,
+# as CUDA does), then run fixed-shape kernels. A boolean mask index is the
+# long indices of its nonzero elements, as in PyTorch's own indexing.
+def _is_mask(t):
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) and t.dim() > 0
+
+
+def _nonzero(x):
+    modes.note_sync("nonzero")
+    n = download(dispatch(aten.count_nonzero.default, (x,), {})).item()
+    return dispatch(aten.nonzero_static.default, (x,), {"size": n})
+
+
+def _masks_as_indices(indices):
+    out = []
+    for i in indices:
+        if _is_mask(i):
+            if not isinstance(i, TpuTensor):
+                i = to_tpu(i)
+            if i.dtype == torch.uint8:
+                i = dispatch(aten.ne.Scalar, (i, 0), {})
+            nz = _nonzero(i)
+            out.extend(dispatch(aten.select.int, (nz, 1, d), {}) for d in range(i.dim()))
+        else:
+            out.append(i)
+    return out
+
+
+def _index(x, indices):
+    plan = plan_of(aten.index.Tensor)
+    if any(_is_mask(i) for i in indices):
+        indices = _masks_as_indices(indices)
+    if plan.accepts(x, indices):
+        return _run_lowered(plan, (x, indices), {})
+    return _run_other(plan, (x, indices), {})
+
+
+def _index_put(x, indices, values, accumulate=False):
+    # A mask whose selected values vary along it needs their positions.
+    plan = plan_of(aten.index_put.default)
+    if not plan.accepts(x, indices, values, accumulate):
+        indices = _masks_as_indices(indices)
+    if plan.accepts(x, indices, values, accumulate):
+        return _run_lowered(plan, (x, indices, values, accumulate), {})
+    return _run_other(plan, (x, indices, values, accumulate), {})
+
+
+def _masked_select(x, mask):
+    x, mask = dispatch(aten.broadcast_tensors.default, ([x, mask],), {})
+    return _index(x, [mask])
+
+
+def _into(fn):
+    """The out= form of fn: out is resized to the result and written."""
+    def out_variant(*args, out, **kwargs):
+        result = fn(*args, **kwargs)
+        resize(out, result.shape)
+        return _copy_(out, result)
+    return out_variant
+
+
+SPECIAL[aten.nonzero.default] = _nonzero
+SPECIAL[aten.nonzero.out] = _into(_nonzero)
+SPECIAL[aten.masked_select.out] = _into(lambda x, mask: _masked_select(x, mask))
+SPECIAL[aten.index.Tensor] = _index
+SPECIAL[aten.masked_select.default] = _masked_select
+SPECIAL[aten.index_put.default] = _index_put
+
+
 def _linalg_check_errors(info, api_name, *, is_matrix):
     # LAPACK's info decides whether linalg.inv & co. raise: read it back, as
     # CUDA does, and let PyTorch's own check word the error.

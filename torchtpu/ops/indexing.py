@@ -95,6 +95,17 @@ def _index_put_accepts(x, indices, values, accumulate=False):
 index_put.accepts = _index_put_accepts
 
 
+@lower(aten.nonzero_static.default)
+def nonzero_static(x, *, size, fill_value=-1):
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    cols = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(cols, axis=1).astype(jnp.int64)
+
+
+nonzero_static.static_args = ("size", "fill_value")
+
+
 # ---- gather / scatter ------------------------------------------------------
 
 def _grid(index, dim):
