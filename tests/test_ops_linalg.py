@@ -2,6 +2,7 @@
 with no CPU fallback."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import compare
 
@@ -286,3 +287,14 @@ def test_cpu_fallback_keeps_lazy_conjugation():
     got = torch.linalg.lstsq(a.to("tpu"), b.to("tpu"), driver="gelsd")
     torch.testing.assert_close(got.residuals.cpu(), want.residuals)
     torch.testing.assert_close(got.solution.cpu(), want.solution)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])
+@pytest.mark.parametrize("rows", [4, 30])   # 30: CPU's matmul form of p=2
+def test_cdist_pdist(p, rows):
+    g = torch.Generator().manual_seed(1)
+    x1 = torch.randn(2, rows, 3, generator=g)
+    x2 = torch.randn(2, 5, 3, generator=g)
+    x2[:, 0] = x1[:, 0]    # a zero distance: CPU's gradient is 0 there
+    compare(lambda a, b: torch.cdist(a, b, p=p), x1, x2)
+    compare(lambda a: F.pdist(a, p=p), x1[0])

@@ -4,9 +4,12 @@ Float matmuls run at full precision (Precision.HIGHEST) so results match
 PyTorch on CPU; integer products accumulate exactly in int64; bf16/f16
 accumulate in float32.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
+import numpy as np
 import torch
 from jax import lax
 
@@ -664,3 +667,97 @@ def linalg_householder_product(a, tau):
 @lower(aten.ormqr.default)
 def ormqr(a, tau, c, left=True, transpose=False):
     return lax.linalg.ormqr(a, tau, c, left=left, transpose=transpose)
+
+
+# ---- distances ---------------------------------------------------------------
+# p is static: each norm has its own formula (and CPU's special cases).
+
+def _pnorm_dist(x1, x2, p):
+    """CPU's direct p-norm distances between the rows of x1 (.., P, M) and
+    x2 (.., R, M): (.., P, R)."""
+    diff = jnp.abs(x1[..., :, None, :] - x2[..., None, :, :])
+    if p == 0:
+        return jnp.sum((diff != 0).astype(diff.dtype), axis=-1)
+    if p == 1:
+        return jnp.sum(diff, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(diff * diff, axis=-1))
+    if math.isinf(p):
+        return jnp.max(diff, axis=-1) if diff.shape[-1] else jnp.zeros(diff.shape[:-1], diff.dtype)
+    return jnp.sum(diff ** p, axis=-1) ** (1.0 / p)
+
+
+def _euclid_by_mm(x1, x2):
+    # CPU's matmul form of the p=2 distance (for more than 25 rows).
+    n1 = jnp.sum(x1 * x1, axis=-1, keepdims=True)
+    n2 = jnp.sum(x2 * x2, axis=-1, keepdims=True)
+    a = jnp.concatenate([x1 * -2, n1, jnp.ones_like(n1)], axis=-1)
+    b = jnp.concatenate([x2, jnp.ones_like(n2), n2], axis=-1)
+    r = jnp.matmul(a, jnp.swapaxes(b, -1, -2), precision=HIGHEST)
+    return jnp.sqrt(jnp.maximum(r, 0))
+
+
+@lower(aten._cdist_forward.default)
+def cdist_forward(x1, x2, p, compute_mode=None):
+    use_mm = p == 2 and (compute_mode == 1 or (compute_mode in (None, 0)
+                                               and (x1.shape[-2] > 25 or x2.shape[-2] > 25)))
+    if use_mm:
+        return _euclid_by_mm(x1, x2)
+    return _pnorm_dist(x1, x2, p)
+
+
+cdist_forward.static_args = ("p", "compute_mode")
+
+
+def _dist_grad(grad, x1, x2, p, dist):
+    """d/dx1 of the p-norm distances, by CPU's formulas (0 where a distance
+    is 0): grad (.., P, R), dist (.., P, R) -> (.., P, M)."""
+    diff = x1[..., :, None, :] - x2[..., None, :, :]
+    g, d = grad[..., None], dist[..., None]
+    zero = jnp.zeros_like(diff)
+    if p == 0:
+        term = zero
+    elif p == 1:
+        term = jnp.sign(diff) * g
+    elif p == 2:
+        term = jnp.where(d == 0, zero, g * diff / jnp.where(d == 0, 1, d))
+    elif math.isinf(p):
+        term = g * jnp.sign(diff) * (jnp.abs(diff) == d)
+    elif p < 2:
+        bad = (d == 0) | ((diff == 0) & (p < 1))
+        safe_d = jnp.where(d == 0, 1, d)
+        term = jnp.where(bad, zero, jnp.sign(diff) * jnp.abs(diff) ** (p - 1) * g / safe_d ** (p - 1))
+    else:
+        safe_d = jnp.where(d == 0, 1, d)
+        term = jnp.where(d == 0, zero, diff * jnp.abs(diff) ** (p - 2) * g / safe_d ** (p - 1))
+    return jnp.sum(term, axis=-2)
+
+
+@lower(aten._cdist_backward.default)
+def cdist_backward(grad, x1, x2, p, dist):
+    return _dist_grad(grad, x1, x2, p, dist)
+
+
+cdist_backward.static_args = ("p",)
+
+
+@lower(aten._pdist_forward.default)
+def pdist_forward(x, p=2.0):
+    n = x.shape[0]
+    i, j = np.triu_indices(n, 1)
+    return _pnorm_dist(x, x, p)[i, j]
+
+
+pdist_forward.static_args = ("p",)
+
+
+@lower(aten._pdist_backward.default)
+def pdist_backward(grad, x, p, pdist):
+    n = x.shape[0]
+    i, j = np.triu_indices(n, 1)
+    full_grad = jnp.zeros((n, n), grad.dtype).at[i, j].set(grad).at[j, i].set(grad)
+    full_dist = jnp.zeros((n, n), pdist.dtype).at[i, j].set(pdist).at[j, i].set(pdist)
+    return _dist_grad(full_grad, x, x, p, full_dist)
+
+
+pdist_backward.static_args = ("p",)
