@@ -278,3 +278,35 @@ def test_renorm_and_hash_tensor():
     for dtype in (F32, I64, BOOL, BF16):
         check(lambda t: torch.hash_tensor(t), make(dtype, (4, 5)))
         check(lambda t: torch.hash_tensor(t, 1, keepdim=True), make(dtype, (4, 5)))
+
+
+@pytest.mark.parametrize("x", [torch.tensor([3., 1, float("nan"), 1, float("nan"), 2]),
+                               torch.tensor([[1, 1, 2], [2, 1, 5]]), torch.tensor([True, False, True]),
+                               torch.tensor([], dtype=torch.float32), torch.tensor(5.)])
+@pytest.mark.parametrize("fn", [torch.unique, torch.unique_consecutive])
+def test_unique_on_device(mode, fn, x):
+    # The number of distinct values is read back; nothing runs on the CPU fallback.
+    torchtpu.metrics.reset()
+    for inverse in (False, True):
+        for counts in (False, True):
+            want = fn(x, return_inverse=inverse, return_counts=counts)
+            got = fn(x.to("tpu"), return_inverse=inverse, return_counts=counts)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                assert g.dtype == w.dtype and g.shape == w.shape
+                torch.testing.assert_close(g.cpu(), w, equal_nan=True)
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+
+
+def test_bincount_on_device(mode):
+    x = torch.tensor([1, 3, 3, 0])
+    w = torch.rand(4, generator=torch.Generator().manual_seed(0))
+    torchtpu.metrics.reset()
+    for kwargs in ({}, {"weights": w}, {"weights": w.to(torch.bfloat16)}, {"minlength": 7}):
+        want = torch.bincount(x, **kwargs)
+        got = torch.bincount(x.to("tpu"), **{k: v.to("tpu") if isinstance(v, torch.Tensor) else v
+                                              for k, v in kwargs.items()})
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.cpu(), want)
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+    with pytest.raises(RuntimeError, match="non-negative"):
+        torch.bincount(torch.tensor([-1, 2], device="tpu"))
