@@ -236,3 +236,24 @@ def test_bfloat16():
     x = torch.randn(4, 3)
     assert_same(x.tpu().to(torch.bfloat16), x.to(torch.bfloat16), rtol=0, atol=0)
     assert_same(x.tpu().bfloat16() @ x.tpu().bfloat16().t(), x.bfloat16() @ x.bfloat16().t())
+
+
+@torch.library.custom_op("torchtpu_test::scaled_softplus", mutates_args=())
+def _scaled_softplus(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.nn.functional.softplus(x) * scale
+
+
+@_scaled_softplus.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def test_custom_op_with_python_kernel_runs_on_tpu():
+    # A library's custom op whose kernel is Python over torch ops runs on tpu
+    # (its ops come through the dispatcher), not on the CPU fallback.
+    torchtpu.metrics.reset()
+    x = torch.randn(3, 4)
+    got = _scaled_softplus(x.to("tpu"), 2.5)
+    assert got.device.type == "tpu"
+    torch.testing.assert_close(got.cpu(), _scaled_softplus(x, 2.5))
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}

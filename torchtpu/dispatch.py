@@ -37,7 +37,7 @@ class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
                  "n_plain", "returns", "tensorish", "view_cache", "random", "accepts",
-                 "special")
+                 "special", "custom_default")
 
     def __init__(self, func):
         self.func = func
@@ -76,6 +76,10 @@ class Plan:
         else:
             self.kind = "other"
         self.random = getattr(self.lowering, "random", False)
+        qualified = schema.name + ("." + schema.overload_name if schema.overload_name else "")
+        self.custom_default = (schema.name.split("::")[0] not in ("aten", "prims")
+                               and torch._C._dispatch_has_kernel_for_dispatch_key(
+                                   qualified, "CompositeExplicitAutograd"))
         # accepts(*args, **kwargs) -> False sends a call the lowering cannot
         # take (a value-dependent shape: boolean-mask indexing) down the
         # decomposition / CPU-fallback path.
@@ -599,6 +603,11 @@ def _run_other(plan, args, kwargs):
     if out is not NotImplemented:
         metrics.M.decompositions[plan.name] += 1
         return out
+    if plan.custom_default:
+        # A library's custom op with a device-independent (Python) kernel:
+        # run it here; its own ops come back through this dispatcher.
+        metrics.M.decompositions[plan.name] += 1
+        return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
     return cpu_fallback(plan, args, kwargs)
 
 
