@@ -65,28 +65,8 @@ EXPECTED_FAILURES = {
 }
 
 EXPECTED_FALLBACKS = {
-    ('bincount', 'int64', 'forward'): 'aten.bincount.default',
-    ('cdist', 'float32', 'backward'): 'aten._cdist_backward.default, aten._cdist_forward.default',
-    ('cdist', 'float32', 'forward'): 'aten._cdist_forward.default',
-    ('index_fill', 'float32', 'backward'): 'aten._unique.default',
     ('linalg.ldl_factor', 'float32', 'forward'): 'aten.linalg_ldl_factor_ex.default',
     ('linalg.ldl_factor_ex', 'float32', 'forward'): 'aten.linalg_ldl_factor_ex.default',
     ('linalg.ldl_solve', 'float32', 'forward'): 'aten.linalg_ldl_solve.default, aten.linalg_ldl_solve.out',
     ('nn.functional.ctc_loss', 'float32', 'backward'): 'aten._ctc_loss_backward.Tensor, aten._ctc_loss_backward.default',
-    ('nn.functional.linear_cross_entropy.chunked', 'bfloat16', 'forward'): 'torch_nn._linear_cross_entropy_batch_chunked.default',
-    ('nn.functional.linear_cross_entropy.chunked', 'float32', 'backward'): 'torch_nn._linear_cross_entropy_batch_chunked.default',
-    ('nn.functional.linear_cross_entropy.chunked', 'float32', 'forward'): 'torch_nn._linear_cross_entropy_batch_chunked.default',
-    ('nn.functional.linear_cross_entropy.chunked_none', 'bfloat16', 'forward'): 'torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default',
-    ('nn.functional.linear_cross_entropy.chunked_none', 'float32', 'backward'): 'torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default',
-    ('nn.functional.linear_cross_entropy.chunked_none', 'float32', 'forward'): 'torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default',
-    ('nn.functional.pdist', 'float32', 'backward'): 'aten._pdist_backward.default, aten._pdist_forward.default',
-    ('nn.functional.pdist', 'float32', 'forward'): 'aten._pdist_forward.default',
-    ('unique', 'bfloat16', 'forward'): 'aten._unique2.default',
-    ('unique', 'bool', 'forward'): 'aten._unique2.default',
-    ('unique', 'float32', 'forward'): 'aten._unique2.default',
-    ('unique', 'int64', 'forward'): 'aten._unique2.default',
-    ('unique_consecutive', 'bfloat16', 'forward'): 'aten.unique_consecutive.default',
-    ('unique_consecutive', 'bool', 'forward'): 'aten.unique_consecutive.default',
-    ('unique_consecutive', 'float32', 'forward'): 'aten.unique_consecutive.default',
-    ('unique_consecutive', 'int64', 'forward'): 'aten.unique_consecutive.default',
 }
