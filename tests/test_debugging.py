@@ -274,6 +274,7 @@ def test_advisor_reports_fallback_churn_and_syncs(monkeypatch):
         model = torch.nn.Linear(3, 1).to("tpu")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(4, 3).to("tpu")
+        sym = (torch.eye(3) * 2).to("tpu")
         for step in range(4):
             loss = model(x).pow(2).mean()
             opt.zero_grad()
@@ -281,13 +282,13 @@ def test_advisor_reports_fallback_churn_and_syncs(monkeypatch):
             opt.step()
             value = loss.item()  # a sync point every step
             item_line = sys._getframe().f_lineno - 1
-            nz = torch.nonzero(x > 0)  # a CPU fallback
+            ldl = torch.linalg.ldl_factor(sym)  # a CPU fallback
             fallback_line = sys._getframe().f_lineno - 1
         for n in range(advisor.CHURN_KERNELS + 2):  # a recompilation storm
             torch.ones(7, 1000 + n, device="tpu").tanh()
-    assert value == value and nz.shape[1] == 2
+    assert value == value and ldl.LD.shape == (3, 3)
     text = advisor.summary()
-    assert "aten.nonzero.default: 4 calls, first at test_debugging.py:" + str(fallback_line) in text
+    assert "aten.linalg_ldl_factor_ex.default: 4 calls, first at test_debugging.py:" + str(fallback_line) in text
     assert "aten.tanh.default: 10 compilations" in text
     assert "Sync points:" in text and "in 4 training steps" in text
     assert f"test_debugging.py:{item_line}: item x4 (1.0 per step)" in text
