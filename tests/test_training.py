@@ -154,3 +154,12 @@ def test_gradients_match(mode):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None and p.grad.is_tpu, name
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_optimizers_take_their_foreach_path_on_tpu():
+    # As for CUDA tensors: torch.optim's default is the multi-tensor path.
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    params = list(torch.nn.Linear(3, 2).to("tpu").parameters())
+    assert _default_to_fused_or_foreach(params, differentiable=False, use_fused=False) == (False, True)
+    cpu_params = list(torch.nn.Linear(3, 2).parameters())
+    assert _default_to_fused_or_foreach(cpu_params, differentiable=False, use_fused=False) == (False, False)

@@ -129,8 +129,19 @@ def register_device():
     _setup_privateuseone_for_python_backend("tpu", _module(), _Hooks(), _Guard())
 
 
+def _optimizers_default_to_foreach():
+    """torch.optim picks its multi-tensor (_foreach) path by default only
+    for plain Tensor/Parameter types on devices with foreach kernels; tpu
+    has them, so let its tensors qualify, as CUDA tensors do."""
+    from torch.optim import optimizer
+    from .tensor import TpuTensor
+    if TpuTensor not in optimizer._foreach_supported_types:
+        optimizer._foreach_supported_types.append(TpuTensor)
+
+
 def register_kernels():
     global _lib
+    _optimizers_default_to_foreach()
     _lib = torch.library.Library("aten", "IMPL")
     for name in ("empty.memory_format", "empty_strided", "scalar_tensor",
                  "full", "zeros", "ones"):
