@@ -37,7 +37,7 @@ class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
                  "n_plain", "returns", "tensorish", "view_cache", "random", "accepts",
-                 "special", "custom_default")
+                 "special", "custom_default", "pos_flags")
 
     def __init__(self, func):
         self.func = func
@@ -88,6 +88,7 @@ class Plan:
         for i, a in enumerate(schema.arguments):
             if a.name in getattr(self.lowering, "static_args", ()):
                 self.tensorish[i] = self.tensorish[a.name] = False
+        self.pos_flags = tuple(self.tensorish[i] for i in range(len(schema.arguments)))
 
 
 _plans = {}
@@ -388,9 +389,8 @@ def dispatch(func, args, kwargs):
 
 def _run_lowered(plan, args, kwargs):
     call = _Call()
-    tensorish = plan.tensorish
-    pos_specs = tuple([_spec(call, a, tensorish.get(i, False)) for i, a in enumerate(args)])
-    kw_specs = tuple([(k, _spec(call, v, tensorish.get(k, False)))
+    pos_specs = tuple([_spec(call, a, f) for a, f in zip(args, plan.pos_flags)])
+    kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
                       for k, v in kwargs.items()]) if kwargs else ()
     # The plan stands for its op in the key: it hashes by identity, in C.
     key = (plan, pos_specs, kw_specs)
