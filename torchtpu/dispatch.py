@@ -19,6 +19,7 @@ from torch._decomp import decomposition_table
 from . import advisor, cache, errors, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
+from .ops.indexing import is_mask
 from .tensor import Storage, TpuTensor, _is_contiguous, contiguous_strides, read_view, write_view
 
 aten = torch.ops.aten
@@ -50,6 +51,7 @@ class Plan:
                     else t in _TENSORISH)
             self.tensorish[i] = flag
             self.tensorish[a.name] = flag
+        qualified = schema.name + ("." + schema.overload_name if schema.overload_name else "")
         self.written = [a.name for a in schema.arguments
                         if a.alias_info is not None and a.alias_info.is_write]
         self.returns = [r.alias_info for r in schema.returns]
@@ -68,15 +70,13 @@ class Plan:
                 # tensor's metadata changes.
                 self.kind = "view_inplace"
         elif aliased and self.lowering is None and not torch._C._dispatch_has_kernel_for_dispatch_key(
-                schema.name + ("." + schema.overload_name if schema.overload_name else ""),
-                "CompositeImplicitAutograd"):
+                qualified, "CompositeImplicitAutograd"):
             self.kind = "view"
         elif self.lowering is not None:
             self.kind = "lower"
         else:
             self.kind = "other"
         self.random = getattr(self.lowering, "random", False)
-        qualified = schema.name + ("." + schema.overload_name if schema.overload_name else "")
         self.custom_default = (schema.name.split("::")[0] not in ("aten", "prims")
                                and torch._C._dispatch_has_kernel_for_dispatch_key(
                                    qualified, "CompositeExplicitAutograd"))
@@ -374,9 +374,7 @@ def dispatch(func, args, kwargs):
             return special(*args, **kwargs)
         kind = plan.kind
         if kind == "lower" or kind == "mutate":
-            if plan.accepts is None or plan.accepts(*args, **kwargs):
-                return _run_lowered(plan, args, kwargs)
-            return _run_other(plan, args, kwargs)
+            return _run_accepted(plan, args, kwargs)
         if kind == "view":
             return _run_view(plan, args, kwargs)
         if kind == "view_inplace":
@@ -385,6 +383,13 @@ def dispatch(func, args, kwargs):
     except Exception as e:
         # PyTorch's exception type, at the user's line (torchtpu.errors).
         raise errors.user_error(e, func, args, kwargs)
+
+
+def _run_accepted(plan, args, kwargs):
+    """The lowering, unless it declines this call (plan.accepts)."""
+    if plan.accepts is None or plan.accepts(*args, **kwargs):
+        return _run_lowered(plan, args, kwargs)
+    return _run_other(plan, args, kwargs)
 
 
 def _run_lowered(plan, args, kwargs):
@@ -796,13 +801,14 @@ def _allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False):
 
 
 SPECIAL[aten.equal.default] = _equal
+SPECIAL[aten.allclose.default] = _allclose
 
 
 # Ops whose result size depends on values: read that size back (one scalar,
 # as CUDA does), then run fixed-shape kernels. A boolean mask index is the
 # long indices of its nonzero elements, as in PyTorch's own indexing.
 def _is_mask(t):
-    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) and t.dim() > 0
+    return isinstance(t, torch.Tensor) and is_mask(t) and t.dim() > 0
 
 
 def _nonzero(x):
@@ -827,12 +833,9 @@ def _masks_as_indices(indices):
 
 
 def _index(x, indices):
-    plan = plan_of(aten.index.Tensor)
     if any(_is_mask(i) for i in indices):
         indices = _masks_as_indices(indices)
-    if plan.accepts(x, indices):
-        return _run_lowered(plan, (x, indices), {})
-    return _run_other(plan, (x, indices), {})
+    return _run_accepted(plan_of(aten.index.Tensor), (x, indices), {})
 
 
 def _index_put(x, indices, values, accumulate=False):
@@ -840,9 +843,7 @@ def _index_put(x, indices, values, accumulate=False):
     plan = plan_of(aten.index_put.default)
     if not plan.accepts(x, indices, values, accumulate):
         indices = _masks_as_indices(indices)
-    if plan.accepts(x, indices, values, accumulate):
-        return _run_lowered(plan, (x, indices, values, accumulate), {})
-    return _run_other(plan, (x, indices, values, accumulate), {})
+    return _run_accepted(plan, (x, indices, values, accumulate), {})
 
 
 def _masked_select(x, mask):
@@ -925,7 +926,7 @@ SPECIAL[aten.bincount.default] = _bincount
 SPECIAL[aten.unique_consecutive.default] = _unique_consecutive
 SPECIAL[aten.nonzero.default] = _nonzero
 SPECIAL[aten.nonzero.out] = _into(_nonzero)
-SPECIAL[aten.masked_select.out] = _into(lambda x, mask: _masked_select(x, mask))
+SPECIAL[aten.masked_select.out] = _into(_masked_select)
 SPECIAL[aten.index.Tensor] = _index
 SPECIAL[aten.masked_select.default] = _masked_select
 SPECIAL[aten.index_put.default] = _index_put
@@ -987,4 +988,3 @@ for _dunder, _bitwise in (("and", "and"), ("or", "or"), ("xor", "xor"),
     SPECIAL[getattr(aten, f"__i{_dunder}__").Tensor] = _alias_of(_packet.Tensor)
     SPECIAL[getattr(aten, f"__i{_dunder}__").Scalar] = _alias_of(
         _packet.Scalar if "Scalar" in _packet.overloads() else _packet.Tensor_Scalar)
-SPECIAL[aten.allclose.default] = _allclose

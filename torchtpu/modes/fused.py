@@ -242,7 +242,6 @@ class FusedExecutor(StrictExecutor):
                 owner.array = value if value is not None else Lost(e)
             raise
 
-
     def _note_churn(self, site, key, hit):
         """Whether to run this flush op by op: its graph is new to this site
         and most of the last CHURN_WINDOW flushes there brought a new graph.

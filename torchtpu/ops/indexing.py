@@ -25,7 +25,7 @@ def _dim(d, ndim):
     return d % ndim if ndim else 0
 
 
-def _is_mask(t):
+def is_mask(t):
     """A boolean (or legacy uint8) index: a torch tensor or a JAX array."""
     return t is not None and t.dtype in (torch.bool, torch.uint8, jnp.bool_, jnp.uint8)
 
@@ -46,13 +46,13 @@ def index(x, indices):
 
 # Boolean masks select a value-dependent number of elements: those calls go
 # to the CPU fallback.
-index.accepts = lambda x, indices: not any(_is_mask(i) for i in indices)
+index.accepts = lambda x, indices: not any(is_mask(i) for i in indices)
 
 
 def _mask_position(indices):
     """(position, mask) if the only index is one boolean mask, else None."""
     present = [(p, i) for p, i in enumerate(indices) if i is not None]
-    if len(present) == 1 and _is_mask(present[0][1]) and present[0][1].ndim > 0:
+    if len(present) == 1 and is_mask(present[0][1]) and present[0][1].ndim > 0:
         return present[0]
     return None
 
@@ -86,7 +86,7 @@ def index_put(x, indices, values, accumulate=False):
 
 
 def _index_put_accepts(x, indices, values, accumulate=False):
-    if not any(_is_mask(i) for i in indices):
+    if not any(is_mask(i) for i in indices):
         return True
     found = _mask_position(indices)
     return found is not None and _mask_values_fit(x.dim(), found[0], found[1].dim(), tuple(values.shape))

@@ -14,7 +14,7 @@ import torch
 from jax import lax
 
 from . import ctx, lower
-from .util import ctx_dtype
+from .util import ctx_dtype, rounder
 
 aten = torch.ops.aten
 HIGHEST = lax.Precision.HIGHEST
@@ -46,17 +46,6 @@ def _scaled(x, s):
     return x * jnp.asarray(s).astype(x.dtype) if x.dtype != jnp.bool_ else jnp.logical_and(x, s)
 
 
-def _rounder(dtype):
-    """Rounds a float32 value to bf16/f16 (and keeps it float32): XLA may
-    otherwise skip the rounding of an intermediate result. Identity for
-    other dtypes."""
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.bfloat16, jnp.float16):
-        return lambda v: v
-    fi = jnp.finfo(dtype)
-    return lambda v: lax.reduce_precision(v, fi.nexp, fi.nmant)
-
-
 def _add_beta(self, prod, beta, alpha, scalars_in_dtype=False, empty=False):
     """beta * self + alpha * prod, in prod's accumulation dtype: bf16/f16
     round once at the end, as CPU's gemm-based kernels do (addmv's also
@@ -69,7 +58,7 @@ def _add_beta(self, prod, beta, alpha, scalars_in_dtype=False, empty=False):
     if empty and dtype in (jnp.bfloat16, jnp.float16):
         prod, alpha, scalars_in_dtype = jnp.zeros_like(prod), 0, True
     if scalars_in_dtype and comp != dtype:
-        rnd = _rounder(dtype)
+        rnd = rounder(dtype)
         alpha, beta = (s if isinstance(s, (int, float)) and s in (0, 1) else
                        rnd(jnp.asarray(s, comp)) for s in (alpha, beta))
     prod = _scaled(prod.astype(comp), alpha)
@@ -134,7 +123,7 @@ def addbmm(self, b1, b2, *, beta=1, alpha=1):
     empty = 0 in (b1.shape[0], b1.shape[-1])
     if empty or ctx_dtype() not in (jnp.bfloat16, jnp.float16):
         return _add_beta(self, prods.sum(0), beta, alpha, empty=empty)
-    rnd = _rounder(ctx_dtype())
+    rnd = rounder(ctx_dtype())
     out = rnd(_add_beta(self, prods[0], beta, alpha))
     # alpha * P outside the loop: no fused multiply-add in the loop's sum.
     scaled = _scaled(prods, alpha)
@@ -150,7 +139,7 @@ def addr(self, v1, v2, *, beta=1, alpha=1):
         return _add_beta(self, prod, beta, alpha)
     # bf16/f16: CPU's elementwise kernel, beta * self + alpha * v1 * v2, one
     # rounding per operation (alpha and beta in the dtype too).
-    rnd = _rounder(dtype)
+    rnd = rounder(dtype)
     a = rnd(jnp.asarray(alpha, acc))
     prod = rnd(rnd(a * v1.astype(acc))[:, None] * v2.astype(acc)[None, :])
     if isinstance(beta, (int, float)) and beta == 0:
@@ -166,7 +155,7 @@ def linalg_cross(a, b, *, dim=-1):
     # a1 b2 - a2 b1 with each product rounded to bf16/f16, as CPU's kernel.
     dtype = ctx_dtype()
     comp = _acc(dtype) if dtype in (jnp.bfloat16, jnp.float16) else dtype
-    rnd = _rounder(dtype)
+    rnd = rounder(dtype)
     a, b = jnp.broadcast_arrays(a.astype(comp), b.astype(comp))
     ax = dim % a.ndim
     i1, i2 = jnp.array([1, 2, 0]), jnp.array([2, 0, 1])

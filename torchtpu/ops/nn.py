@@ -17,7 +17,7 @@ import torch
 from jax import lax
 
 from . import ctx, lower
-from .util import ctx_dtype
+from .util import ctx_dtype, rounder
 
 aten = torch.ops.aten
 HIGHEST = lax.Precision.HIGHEST
@@ -306,11 +306,7 @@ def _adaptive_avg3d_lowp(x, out_size):
     flat, ok = _windows(pos, valid, sizes)
     patches = _up(x).reshape(x.shape[:-3] + (math.prod(sizes),))[..., np.where(ok, flat, 0)]
     patches = jnp.where(ok, patches, 0)
-    fi = jnp.finfo(x.dtype)
-
-    def rnd(v):
-        return lax.reduce_precision(v, fi.nexp, fi.nmant)
-
+    rnd = rounder(x.dtype)
     acc, _ = lax.scan(lambda c, v: (rnd(c + v), None), jnp.zeros(patches.shape[:-1], patches.dtype),
                       jnp.moveaxis(patches, -1, 0))
     for d, c in enumerate(counts):
@@ -1125,15 +1121,6 @@ def _identity(v):
     return v
 
 
-def _rounding(dtype):
-    """Rounds a float32 value to dtype after each step, as PyTorch's CPU grid
-    sampler computes bf16/f16 in their own type; identity for wider types."""
-    if _compute_dtype(dtype) == jnp.dtype(dtype):
-        return _identity
-    fi = jnp.finfo(dtype)
-    return lambda v: lax.reduce_precision(v, fi.nexp, fi.nmant)
-
-
 def _grid_unnormalize(c, size, align_corners, rnd):
     if align_corners:
         return rnd(rnd(rnd(c + 1) / 2) * (size - 1))
@@ -1210,7 +1197,7 @@ def _grid_sample(x, grid, mode, padding_mode, align_corners, rnd=_identity):
 @lower(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
 def grid_sampler(x, grid, interpolation_mode, padding_mode, align_corners):
     return _grid_sample(_up(x), _up(grid), interpolation_mode, padding_mode, align_corners,
-                        _rounding(x.dtype)).astype(x.dtype)
+                        rounder(x.dtype)).astype(x.dtype)
 
 
 @lower(aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d_backward.default)

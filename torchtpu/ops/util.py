@@ -48,6 +48,17 @@ def cast(x, dtype):
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def rounder(dtype):
+    """Rounds a float32 value to bf16/f16 and keeps it float32, where CPU
+    rounds an intermediate result (XLA may otherwise skip the rounding);
+    the identity for other dtypes."""
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        return lambda v: v
+    fi = jnp.finfo(dtype)
+    return lambda v: jax.lax.reduce_precision(v, fi.nexp, fi.nmant)
+
+
 def ctx_dtype(i=0):
     """The jax dtype PyTorch's meta kernel gives output i of the traced op."""
     from . import ctx
