@@ -473,17 +473,23 @@ def _introsort(key, perm):
             sf = jnp.where(active & (pos >= cut), cut, sf)
             sl = jnp.where(active & (pos < cut), cut, sl)
             return d + 1, key, perm, sf, sl
-        def replay(key, perm):
-            return lax.while_loop(cond, body, (0, key, perm, jnp.zeros_like(pos), jnp.full_like(pos, n)))[1:3]
+        def replay(key, perm, done):
+            key, perm = lax.while_loop(cond, body, (0, key, perm, jnp.zeros_like(pos),
+                                                    jnp.full_like(pos, n)))[1:3]
+            return _stable_sorted(key, perm)
         # Without ties the order is the sorted one whatever the swaps were.
-        key, perm = lax.cond(_tied(key), replay, lambda k, p: (k, p), key, perm)
+        done = _stable_sorted(key, perm)
+        return lax.cond(_tied(done[0]), replay, lambda k, p, d: d, key, perm, done)
+    return _stable_sorted(key, perm)
+
+
+def _stable_sorted(key, perm):
     return lax.sort((key, perm), dimension=1, num_keys=1, is_stable=True)
 
 
-def _tied(key):
-    """Whether any slice holds equal keys."""
-    s = jnp.sort(key, axis=1)
-    return jnp.any(s[:, 1:] == s[:, :-1])
+def _tied(sorted_key):
+    """Whether any slice of these sorted keys holds equal keys."""
+    return jnp.any(sorted_key[:, 1:] == sorted_key[:, :-1])
 
 
 def _introselect(key, perm, nth):
@@ -628,7 +634,7 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
     if k * 64 <= n:
         # CPU runs std::partial_sort (a heap) here; its order on ties is not
         # replayed: equal elements come in index order.
-        _, perm = lax.sort((key, perm), dimension=1, num_keys=1, is_stable=True)
+        _, perm = _stable_sorted(key, perm)
         perm = perm[:, :k]
     else:
         # std::nth_element at k-1, then std::sort of the k-1 before it.
@@ -640,8 +646,9 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
             return perm[:, :k]
         if sorted:
             # Sorted output without ties does not depend on the swaps.
-            perm = lax.cond(_tied(key), replay, lambda k_, p: lax.sort(
-                (k_, p), dimension=1, num_keys=1, is_stable=True)[1][:, :k], key, perm)
+            skey, sperm = _stable_sorted(key, perm)
+            perm = lax.cond(_tied(skey), lambda k_, p, sp: replay(k_, p),
+                            lambda k_, p, sp: sp[:, :k], key, perm, sperm)
         else:
             perm = replay(key, perm)
     return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
@@ -690,8 +697,9 @@ def kthvalue(x, k, dim=-1, keepdim=False):
     perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
     key = _keys(x2, False)
     # Without ties the k-th is the k-th of a sort, whatever the swaps were.
-    perm = lax.cond(_tied(key), lambda k_, p: _quickselect(k_, p, k - 1)[1], lambda k_, p: lax.sort(
-        (k_, p), dimension=1, num_keys=1, is_stable=True)[1], key, perm)
+    skey, sperm = _stable_sorted(key, perm)
+    perm = lax.cond(_tied(skey), lambda k_, p, sp: _quickselect(k_, p, k - 1)[1],
+                    lambda k_, p, sp: sp, key, perm, sperm)
     v, i = back(jnp.take_along_axis(x2, perm, 1)), back(perm)
     return _pick(v, i, k - 1, dim, keepdim)
 
