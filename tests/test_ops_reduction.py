@@ -310,3 +310,21 @@ def test_bincount_on_device(mode):
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
     with pytest.raises(RuntimeError, match="non-negative"):
         torch.bincount(torch.tensor([-1, 2], device="tpu"))
+
+
+def test_large_tensors_order_ties_by_index():
+    # Past REPLAY_MAX elements the (unspecified) order of equal elements is
+    # index order, as a stable sort: CPU's is not replayed there.
+    from torchtpu.ops.reduction import REPLAY_MAX
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 50, (3, REPLAY_MAX // 3 + 5), generator=g).float()
+    t = x.to("tpu")
+    v, i = t.sort(1, descending=True)
+    ev, ei = x.sort(dim=1, descending=True, stable=True)
+    assert torch.equal(v.cpu(), ev) and torch.equal(i.cpu(), ei)
+    assert torch.equal(t.argsort(1).cpu(), x.argsort(dim=1, stable=True))
+    tv, ti = t.topk(300, 1)
+    assert torch.equal(tv.cpu(), ev[:, :300]) and torch.equal(ti.cpu(), ei[:, :300])
+    kv, ki = t.kthvalue(1000, 1)
+    sv, si = x.sort(dim=1, stable=True)
+    assert torch.equal(kv.cpu(), sv[:, 999]) and torch.equal(ki.cpu(), si[:, 999])

@@ -363,6 +363,11 @@ def cummin(x, dim):
 # whole partition is a few cumulative sums and gathers, done for every
 # segment of every slice at once. The arrays are (slices, n), the sorted dim
 # last; `key` is an integer key whose `<` is the algorithm's comparison.
+#
+# PyTorch leaves that order unspecified (CUDA's differs from CPU's), and the
+# replay costs several stable sorts, so it runs only on tensors of at most
+# REPLAY_MAX elements; larger ones return equal elements in index order.
+REPLAY_MAX = 1 << 16
 
 def _keys(x, descending):
     """Integer keys (slices, n) in the CPU comparators' order: NaNs equal to
@@ -460,7 +465,7 @@ def _introsort(key, perm):
     (stable, so a stable sort of the result). Segments that would reach the
     depth limit are heap-sorted by libstdc++; that is not replayed."""
     n = key.shape[1]
-    if n > 16:
+    if n > 16 and key.size <= REPLAY_MAX:
         pos = lax.broadcasted_iota(jnp.int32, key.shape, 1)
 
         def cond(s):
@@ -591,7 +596,7 @@ def _sort(x, dim, descending, stable=False):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
-    if stable or x.size == 0:
+    if stable or x.size == 0 or x.size > REPLAY_MAX:
         return _stable_sort(x, dim, descending)
     x2, back = _slices(x, dim)
     perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
@@ -625,32 +630,29 @@ def topk(x, k, dim=-1, largest=True, sorted=True):
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
     n = x.shape[dim]
-    if k == 0 or x.size == 0:
+    if k == 0 or x.size == 0 or k * 64 <= n or x.size > REPLAY_MAX:
+        # For small k CPU runs std::partial_sort (a heap), whose order on ties
+        # is not replayed, nor is any on large tensors: index order.
         v, i = _stable_sort(x, dim, largest)
         return lax.slice_in_dim(v, 0, k, axis=dim), lax.slice_in_dim(i, 0, k, axis=dim)
     x2, back = _slices(x, dim)
     key = _keys(x2, largest)
     perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
-    if k * 64 <= n:
-        # CPU runs std::partial_sort (a heap) here; its order on ties is not
-        # replayed: equal elements come in index order.
-        _, perm = _stable_sorted(key, perm)
-        perm = perm[:, :k]
+
+    # std::nth_element at k-1, then std::sort of the k-1 before it.
+    def replay(key, perm):
+        key, perm = _introselect(key, perm, k - 1)
+        if sorted and k > 1:
+            head = _introsort(key[:, :k - 1], perm[:, :k - 1])[1]
+            return jnp.concatenate([head, perm[:, k - 1:k]], 1)
+        return perm[:, :k]
+    if sorted:
+        # Sorted output without ties does not depend on the swaps.
+        skey, sperm = _stable_sorted(key, perm)
+        perm = lax.cond(_tied(skey), lambda k_, p, sp: replay(k_, p),
+                        lambda k_, p, sp: sp[:, :k], key, perm, sperm)
     else:
-        # std::nth_element at k-1, then std::sort of the k-1 before it.
-        def replay(key, perm):
-            key, perm = _introselect(key, perm, k - 1)
-            if sorted and k > 1:
-                head = _introsort(key[:, :k - 1], perm[:, :k - 1])[1]
-                return jnp.concatenate([head, perm[:, k - 1:k]], 1)
-            return perm[:, :k]
-        if sorted:
-            # Sorted output without ties does not depend on the swaps.
-            skey, sperm = _stable_sorted(key, perm)
-            perm = lax.cond(_tied(skey), lambda k_, p, sp: replay(k_, p),
-                            lambda k_, p, sp: sp[:, :k], key, perm, sperm)
-        else:
-            perm = replay(key, perm)
+        perm = replay(key, perm)
     return back(jnp.take_along_axis(x2, perm, 1)), back(perm)
 
 
@@ -693,6 +695,8 @@ def kthvalue(x, k, dim=-1, keepdim=False):
     if x.ndim == 0:
         return x, jnp.zeros((), jnp.int64)
     dim = dim % x.ndim
+    if x.size > REPLAY_MAX:
+        return _pick(*_stable_sort(x, dim, False), k - 1, dim, keepdim)
     x2, back = _slices(x, dim)
     perm = lax.broadcasted_iota(jnp.int64, x2.shape, 1)
     key = _keys(x2, False)
