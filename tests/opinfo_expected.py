@@ -10,8 +10,6 @@ CPU fallback (values match CPU).
 """
 
 EXPECTED_FAILURES = {
-    ('as_strided_scatter', 'float32', 'forward'):
-        "absolute storage_offset on an offset view: CPU scatters into its clone's storage at another place than tpu does (an edge case of absolute offsets) (values differ from CPU: non-contiguous inputs: AssertionError: Tensor-likes are not close! Mismatched elements: 1 / 1 (100.0%))",
     ('chalf', 'bfloat16', 'forward'):
         'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
     ('chalf', 'bool', 'forward'):
@@ -40,8 +38,6 @@ EXPECTED_FAILURES = {
         "samples with training=True and dropout_p=0.5: the dropout mask comes from the tpu generator, not CPU's (the training=False samples match) (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 6 / 12 (50.0%))",
     ('nn.functional.multi_head_attention_forward', 'float32', 'forward'):
         "samples with training=True and dropout_p=0.5: the dropout mask comes from the tpu generator, not CPU's (the training=False samples match) (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 4 / 6 (66.7%))",
-    ('resize_', 'float32', 'forward'):
-        'clone() of a transposed tensor keeps its strides on CPU (preserve_format) but is contiguous on tpu; resize_ then exposes the storage order (values differ from CPU: non-contiguous inputs: AssertionError: Tensor-likes are not close! Mismatched elements: 100 / 125 (80.0%))',
     ('sparse.mm.reduce', 'bfloat16', 'forward'):
         'sparse layouts are not supported on tpu (raises on tpu: RuntimeError: Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:0!)',
     ('sparse.mm.reduce', 'float32', 'backward'):

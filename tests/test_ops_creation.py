@@ -159,6 +159,24 @@ def test_clone_and_lift():
     assert_same(torch.ops.aten.lift_fresh_copy(t), x)
 
 
+@pytest.mark.parametrize("copy", [
+    lambda a: a.transpose(0, 2).clone(),
+    lambda a: a.permute(1, 2, 0).to(torch.float64),
+    lambda a: a[:, :2].clone(),                                   # not dense: contiguous
+    lambda a: a.transpose(0, 2).clone(memory_format=torch.contiguous_format),
+    lambda a: a.unsqueeze(0).to(memory_format=torch.channels_last),
+    lambda a: a.unsqueeze(0).to(memory_format=torch.channels_last).contiguous(),
+])
+def test_copies_keep_strides(copy):
+    # preserve_format keeps a dense tensor's strides, as on CPU: what
+    # view()/resize_() of the copy see depends on them.
+    x = torch.arange(24.).reshape(2, 3, 4)
+    want, got = copy(x), copy(x.to("tpu"))
+    assert got.stride() == want.stride()
+    assert_same(got, want)
+    assert_same(got.resize_(7), want.resize_(7))
+
+
 def test_requires_grad_factories():
     a = torch.arange(4.0, device="tpu", requires_grad=True)
     (a * a).sum().backward()

@@ -197,6 +197,13 @@ def test_as_strided_scatter():
     xt = x.t().contiguous().t()
     got = torch.as_strided_scatter(x.t().contiguous().to("tpu").t(), src.to("tpu"), (2, 2), (1, 2), 1)
     assert_same(got, torch.as_strided_scatter(xt, src, (2, 2), (1, 2), 1))
+    # An offset, strided input: the offset is absolute in a copy of its whole
+    # storage, and the result keeps the input's strides and offset.
+    base = make(F32, (16,), seed=4)
+    want = torch.as_strided_scatter(base[1::2], src, (2, 2), (2, 1), 0)
+    got = torch.as_strided_scatter(base.to("tpu")[1::2], src.to("tpu"), (2, 2), (2, 1), 0)
+    assert_same(got, want)
+    assert (got.stride(), got.storage_offset()) == (want.stride(), want.storage_offset())
 
 
 def test_repeat_zero_and_scalar():

@@ -14,6 +14,7 @@ import math
 import warnings
 
 import torch
+import jax.numpy as jnp
 from torch._decomp import decomposition_table
 
 from . import advisor, cache, errors, metrics, modes, runtime
@@ -256,7 +257,20 @@ def _spec_contiguous(spec):
     return view is None or _is_contiguous(view[0], view[1])
 
 
-def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
+def _physical_order(meta):
+    """The dim order in which a dense, non-overlapping but permuted result
+    (a clone of a transposed tensor) lies in memory; None when contiguous."""
+    shape, stride = tuple(meta.shape), meta.stride()
+    if _is_contiguous(shape, stride):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    compact = contiguous_strides([shape[d] for d in order])
+    if any(shape[d] > 1 and stride[d] != c for d, c in zip(order, compact)):
+        return None
+    return tuple(order)
+
+
+def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
     lowering = plan.lowering
     out_dtypes = None
     if out_meta is not None:
@@ -288,6 +302,9 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta):
         template = _flatten(result, leaves)
         if out_dtypes is not None and len(out_dtypes) == len(leaves):
             leaves = [x.astype(d) if x.dtype != d else x for x, d in zip(leaves, out_dtypes)]
+        if orders:
+            # Results stored in their memory order, viewed with CPU's strides.
+            leaves = [x if o is None else jnp.transpose(x, o) for x, o in zip(leaves, orders)]
         if plan.kind == "mutate":
             new = leaves[plan.n_plain:]
             leaves = leaves[:plan.n_plain]
@@ -418,10 +435,14 @@ def _run_lowered(plan, args, kwargs):
             dtypes = fix([m.dtype for m in out_meta[0]], *fargs, **fkwargs)
             out_meta = ([m.to(d) for m, d in zip(out_meta[0], dtypes)], out_meta[1])
         out_tdtypes = tuple(m.dtype for m in out_meta[0]) if out_meta is not None else None
-        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta),
-                                  out_meta, out_tdtypes))
+        orders = None
+        if out_meta is not None and getattr(plan.lowering, "keeps_strides", False):
+            orders = [_physical_order(m) for m in out_meta[0]]
+            orders = orders if any(orders) else None
+        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta, orders),
+                                  out_meta, out_tdtypes, orders))
         advisor.note_new_kernel(plan.name)
-    kernel, out_meta, out_tdtypes = entry
+    kernel, out_meta, out_tdtypes, orders = entry
     metrics.M.ops_dispatched += 1
     flat = [s.array for s in call.storages]
     flat.extend(call.dynamic)
@@ -437,7 +458,10 @@ def _run_lowered(plan, args, kwargs):
         slots = sorted({s[1] for s in _flat_written(kernel.written)})
         for slot, arr in zip(slots, new_storages):
             call.storages[slot].assign(arr)
-    if out_tdtypes is not None:
+    if orders is not None:
+        wrapped = [TpuTensor(Storage(o), m.shape, d, None if p is None else m.stride())
+                   for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]
+    elif out_tdtypes is not None:
         wrapped = [TpuTensor(Storage(o), o.shape, d) for o, d in zip(outs, out_tdtypes)]
     else:
         wrapped = [TpuTensor(Storage(o), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
@@ -757,7 +781,6 @@ def _to_copy_handler(x, **kwargs):
     kwargs.pop("layout", None)
     kwargs.pop("pin_memory", None)
     kwargs.pop("non_blocking", None)
-    kwargs.pop("memory_format", None)
     return _run_lowered(plan_of(aten._to_copy.default), (x,), kwargs)
 
 
@@ -774,6 +797,21 @@ def _unsafe_view(x, size):
 
 
 SPECIAL[aten._unsafe_view.default] = _unsafe_view
+
+
+def _as_strided_scatter(x, src, size, stride, storage_offset=None):
+    # As CPU (clone_preserve_strides): the absolute offset and strides address
+    # a copy of x's whole storage, which the result views as x views its own.
+    if torch._debug_has_internal_overlap(x) == 1:
+        out = x.clone()
+    else:
+        full = x.as_strided((math.prod(x._storage.array.shape),), (1,), 0).clone()
+        out = full.as_strided(x.shape, x.stride(), x.storage_offset())
+    out.as_strided(size, stride, storage_offset or 0).copy_(src)
+    return out
+
+
+SPECIAL[aten.as_strided_scatter.default] = _as_strided_scatter
 
 
 def _polygamma_(x, n):

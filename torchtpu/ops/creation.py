@@ -88,6 +88,10 @@ def to_copy(x, **kwargs):
     return convert(x, ctx_dtype())
 
 
+# A copy of a transposed tensor keeps its strides (preserve_format), as on CPU.
+to_copy.keeps_strides = True
+
+
 # ---- ranges ----------------------------------------------------------------
 
 @lower(aten.arange.start_step)

@@ -171,19 +171,6 @@ def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
     return jnp.moveaxis(moved, (-2, -1), (dim1, dim2))
 
 
-@lower(aten.as_strided_scatter.default)
-def as_strided_scatter(x, src, size, stride, storage_offset=None):
-    # The strides index the storage of input.clone(), whose layout PyTorch
-    # keeps from the input (a transposed input stays transposed): lay x out
-    # in that order, write the view, read x's shape back.
-    from . import ctx
-    from ..tensor import read_view, write_view
-    layout = (x.shape, tuple(ctx.out[0].stride()), 0)
-    storage = write_view(jnp.zeros(x.size, x.dtype), layout, x)
-    storage = write_view(storage, (tuple(size), tuple(stride), storage_offset or 0), src)
-    return read_view(storage, layout)
-
-
 # ---- dtype reinterpretation -------------------------------------------------
 # These are views in PyTorch, but the result has another dtype, so it cannot
 # share a typed storage array here: they return copies, and writes through
