@@ -20,10 +20,6 @@ EXPECTED_FAILURES = {
         'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
     ('chalf', 'int64', 'forward'):
         'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
-    ('linalg.matrix_rank', 'float32', 'forward'):
-        "out= through a view stays unwritten: PyTorch's composite out= kernel writes its result below the dispatcher, where a Python backend cannot see it (values differ from CPU: out= variant through a view: AssertionError: Tensor-likes are not equal! Mismatched elements: 1 / 2 (50.0%))",
-    ('linalg.matrix_rank.hermitian', 'float32', 'forward'):
-        "out= through a view stays unwritten: PyTorch's composite out= kernel writes its result below the dispatcher, where a Python backend cannot see it (values differ from CPU: out= variant through a view: AssertionError: Tensor-likes are not equal! Mismatched elements: 1 / 2 (50.0%))",
     ('logcumsumexp', 'float32', 'backward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 6 / 125 (4.8%)',
     ('matrix_exp', 'bfloat16', 'forward'):

@@ -150,9 +150,14 @@ def register_kernels():
         _lib.impl(name, _factory(op), "PrivateUse1")
     for name, normalize in _FACTORIES.items():
         _lib.impl(name.replace(".default", ""), _lowered_factory(normalize), "PrivateUse1")
-    from .dispatch import _copy_
+    from .dispatch import OUT_VIA_FUNCTIONAL, _copy_, dispatch
     _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")
+    for op in OUT_VIA_FUNCTIONAL:
+        # A backend kernel takes the place of the composite one, so these ops
+        # reach __torch_dispatch__ (this kernel itself is never reached first).
+        _lib.impl(op._schema.name.split("::")[1] + "." + op._overloadname,
+                  lambda *a, _op=op, **k: dispatch(_op, a, k), "PrivateUse1")
 
 
 __all__ = ["get_device", "register_device", "register_kernels"]

@@ -898,6 +898,18 @@ def _into(fn):
     return out_variant
 
 
+# Composite out= kernels that, for a tensor subclass, return a new tensor
+# instead of writing out= (matrix_rank's isTensorSubclassLike branch):
+# device.py routes them here, past the composite, to write out= themselves.
+OUT_VIA_FUNCTIONAL = {
+    aten.linalg_matrix_rank.atol_rtol_tensor_out: aten.linalg_matrix_rank.atol_rtol_tensor,
+    aten.linalg_matrix_rank.atol_rtol_float_out: aten.linalg_matrix_rank.atol_rtol_float,
+    aten.linalg_matrix_rank.out: aten.linalg_matrix_rank.default,
+    aten.linalg_matrix_rank.out_tol_tensor: aten.linalg_matrix_rank.tol_tensor,
+}
+SPECIAL.update({op: _into(functional) for op, functional in OUT_VIA_FUNCTIONAL.items()})
+
+
 def _runs(values, return_inverse, return_counts):
     """unique_consecutive of a 1-D tensor: (run values, each element's run
     index, run lengths); the run count is read back."""
