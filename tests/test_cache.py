@@ -303,6 +303,19 @@ def test_stats_and_clear_memory():
     torch.testing.assert_close((x * 3).cpu(), torch.arange(5.0) * 3)
 
 
+def test_memory_tier_evicts_least_recently_used(monkeypatch):
+    cache.clear(memory=True)
+    monkeypatch.setattr(cache, "MEMORY_ENTRIES", 3)
+    for k in "abc":
+        cache.store(k, k.upper())
+    assert cache.lookup("a") == "A"      # a is now the most recent
+    cache.store("d", "D")                # evicts b, the least recent
+    assert cache.lookup("b") is None
+    assert [cache.lookup(k) for k in "acd"] == ["A", "C", "D"]
+    assert cache.stats()["memory_entries"] == 3
+    cache.clear(memory=True)
+
+
 def test_command_line_info_and_clear(tmp_path, capsys):
     d = tmp_path / "c"
     d.mkdir()

@@ -1,6 +1,6 @@
 """The one place that turns a JAX function plus a key into a compiled callable.
 
-Two tiers: an in-memory LRU of kernels (cachetools) over JAX's own persistent
+Two tiers: an in-memory LRU of kernels over JAX's own persistent
 compilation cache on disk, which all modes and processes share.
 
 The disk tier keeps JAX's entry format (`<key>-cache` files, written by JAX's
@@ -26,6 +26,7 @@ if __name__ == "__main__":  # python -m torchtpu.cache: use the package's module
     from torchtpu.cache import _main
     raise SystemExit(_main())
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -38,7 +39,6 @@ import warnings
 
 import sys
 
-import cachetools
 import jax
 from jax import monitoring
 
@@ -57,7 +57,8 @@ if sys.argv[:1] == ["-m"]:
                             RuntimeWarning)
 
 MEMORY_ENTRIES = int(os.environ.get("TORCHTPU_MEMORY_CACHE_ENTRIES", "8192"))
-_memory = cachetools.LRUCache(maxsize=MEMORY_ENTRIES)
+# An OrderedDict in recency order: a hit costs one more C-level move.
+_memory = collections.OrderedDict()
 
 ENTRY_SUFFIX = "-cache"   # JAX's name for an entry
 CHECK_SUFFIX = "-check"   # torchtpu's integrity record beside it
@@ -405,6 +406,7 @@ def lookup(key):
     """The cached entry for key, or None."""
     entry = _memory.get(key)
     if entry is not None:
+        _memory.move_to_end(key)
         metrics.M.memory_cache_hits += 1
     else:
         STATS.memory_misses += 1
@@ -413,6 +415,8 @@ def lookup(key):
 
 def store(key, entry):
     _memory[key] = entry
+    if len(_memory) > MEMORY_ENTRIES:
+        _memory.popitem(last=False)
     return entry
 
 

@@ -204,9 +204,10 @@ def _spec(call, value, tensorish):
     """The static description of one argument (part of the kernel key)."""
     if isinstance(value, TpuTensor):
         storage = value._storage
-        slot = call.slots.get(id(storage))
+        slots = call.slots  # storage -> slot (Storage hashes by identity)
+        slot = slots.get(storage)
         if slot is None:
-            slot = call.slots[id(storage)] = len(call.storages)
+            slot = slots[storage] = len(call.storages)
             call.storages.append(storage)
         return ("t", slot) + value._key
     if isinstance(value, torch.Tensor):
@@ -458,6 +459,10 @@ def _run_lowered(plan, args, kwargs):
         slots = sorted({s[1] for s in _flat_written(kernel.written)})
         for slot, arr in zip(slots, new_storages):
             call.storages[slot].assign(arr)
+    elif kernel.out_tree is ... and orders is None and out_tdtypes is not None:
+        # The common case, one plain result, without the general wrapping.
+        o = outs[0]
+        return TpuTensor(Storage(o), o.shape, out_tdtypes[0])
     if orders is not None:
         wrapped = [TpuTensor(Storage(o), m.shape, d, None if p is None else m.stride())
                    for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]

@@ -76,6 +76,9 @@ def make_view(storage_shape, shape, stride, offset):
 
 class TpuTensor(torch.Tensor):
     """A tensor on the tpu device. Its data lives in self._storage."""
+    # Slots: set for every result, read for every argument (a dict costs
+    # about 0.5 us per tensor created).
+    __slots__ = ("_storage", "_view", "_key")
 
     @staticmethod
     def __new__(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):

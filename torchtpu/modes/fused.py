@@ -91,6 +91,23 @@ class _Graph:
         self.scalars = []     # dynamic scalars fed to the graph
 
 
+class _GraphKey:
+    """A graph's key with its hash computed once: the cache lookup, its
+    recency update and the churn check each hash it, and hashing a step's
+    key (a tuple per op) costs about 0.15 us per op."""
+    __slots__ = ("parts", "hash")
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.hash = hash(parts)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return type(other) is _GraphKey and self.hash == other.hash and self.parts == other.parts
+
+
 class Lost:
     """The value of a tensor whose op failed in a flushed graph."""
     __slots__ = ("error",)
@@ -139,10 +156,12 @@ class FusedExecutor(StrictExecutor):
         ni = len(g.nodes)
         outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
         outs = [Pending(a.shape, a.dtype, ("p", ni, j)) for j, a in enumerate(outs_aval)]
-        k = len(outs)
-        written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
         g.nodes.append((kernel, tuple(refs)))
         g.outputs.extend(outs)
+        if not written_aval:
+            return outs, ()
+        k = len(outs)
+        written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
         g.outputs.extend(written)
         return outs, written
 
@@ -183,7 +202,7 @@ class FusedExecutor(StrictExecutor):
                 live.append((p, owner))
         live_refs = tuple(p.ref for p, _ in live)
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
-        key = ("fused", tuple([(id(k), refs) for k, refs in g.nodes]), live_refs)
+        key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs))
         entry = cache.lookup(key)
         hit = entry is not None
         site = _user_line()
@@ -251,7 +270,7 @@ class FusedExecutor(StrictExecutor):
             region = self._regions[site] = (collections.deque(maxlen=CHURN_WINDOW),
                                             collections.deque(maxlen=2 * CHURN_WINDOW))
         flags, seen = region
-        h = hash(key)
+        h = key.hash
         new = not hit and h not in seen
         seen.append(h)
         flags.append(new)
