@@ -28,12 +28,6 @@ EXPECTED_FAILURES = {
         "outputs near 1e5 after 5-6 squarings: CPU's own error against the exact value (~0.05) is beyond the default tolerance; only MKL's exact product order would match (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 4 / 25 (16.0%))",
     ('matrix_exp', 'float32', 'forward'):
         "outputs near 1e5 after 5-6 squarings: CPU's own error against the exact value (~0.05) is beyond the default tolerance; only MKL's exact product order would match (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 22 / 125 (17.6%))",
-    ('nn.functional.multi_head_attention_forward', 'bfloat16', 'forward'):
-        "samples with training=True and dropout_p=0.5: the dropout mask comes from the tpu generator, not CPU's (the training=False samples match) (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 4 / 6 (66.7%))",
-    ('nn.functional.multi_head_attention_forward', 'float32', 'backward'):
-        "samples with training=True and dropout_p=0.5: the dropout mask comes from the tpu generator, not CPU's (the training=False samples match) (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 6 / 12 (50.0%))",
-    ('nn.functional.multi_head_attention_forward', 'float32', 'forward'):
-        "samples with training=True and dropout_p=0.5: the dropout mask comes from the tpu generator, not CPU's (the training=False samples match) (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 4 / 6 (66.7%))",
     ('sparse.mm.reduce', 'bfloat16', 'forward'):
         'sparse layouts are not supported on tpu (raises on tpu: RuntimeError: Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:0!)',
     ('sparse.mm.reduce', 'float32', 'backward'):

@@ -21,7 +21,8 @@ from . import advisor, cache, errors, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
 from .ops.indexing import is_mask
-from .tensor import Storage, TpuTensor, _is_contiguous, contiguous_strides, read_view, write_view
+from .tensor import (Storage, TpuTensor, _is_contiguous, contiguous_strides, read_view, whole_tensor,
+                     write_view)
 
 aten = torch.ops.aten
 
@@ -462,7 +463,7 @@ def _run_lowered(plan, args, kwargs):
     elif kernel.out_tree is ... and orders is None and out_tdtypes is not None:
         # The common case, one plain result, without the general wrapping.
         o = outs[0]
-        return TpuTensor(Storage(o), o.shape, out_tdtypes[0])
+        return whole_tensor(Storage(o), o.shape, out_tdtypes[0])
     if orders is not None:
         wrapped = [TpuTensor(Storage(o), m.shape, d, None if p is None else m.stride())
                    for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]
