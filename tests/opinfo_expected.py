@@ -29,15 +29,15 @@ EXPECTED_FAILURES = {
     ('matrix_exp', 'float32', 'forward'):
         "outputs near 1e5 after 5-6 squarings: CPU's own error against the exact value (~0.05) is beyond the default tolerance; only MKL's exact product order would match (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 22 / 125 (17.6%))",
     ('sparse.mm.reduce', 'bfloat16', 'forward'):
-        'sparse layouts are not supported on tpu (raises on tpu: RuntimeError: Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:0!)',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
     ('sparse.mm.reduce', 'float32', 'backward'):
-        'sparse layouts are not supported on tpu (raises on tpu: RuntimeError: Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:0!)',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
     ('sparse.mm.reduce', 'float32', 'forward'):
-        'sparse layouts are not supported on tpu (raises on tpu: RuntimeError: Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:0!)',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
     ('sparse.sampled_addmm', 'float32', 'backward'):
-        'sparse layouts are not supported on tpu (raises on tpu: RuntimeError: Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:0!)',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
     ('sparse.sampled_addmm', 'float32', 'forward'):
-        'sparse layouts are not supported on tpu (raises on tpu: RuntimeError: Expected all tensors to be on the same device, but found at least two devices, tpu:0 and tpu:0!)',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
     ('to_sparse', 'bfloat16', 'forward'):
         'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU)',
     ('to_sparse', 'bool', 'forward'):

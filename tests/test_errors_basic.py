@@ -135,3 +135,7 @@ def test_sparse_layouts_are_refused_clearly():
     for convert in (x.to_sparse, x.to_sparse_csr):
         with pytest.raises(NotImplementedError, match="sparse layouts are not supported on tpu"):
             convert()
+    # A sparse CPU tensor moved to tpu.
+    for sparse in (torch.randn(3, 3).to_sparse(), torch.randn(3, 3).to_sparse_csr()):
+        with pytest.raises(NotImplementedError, match="sparse layouts are not supported on tpu"):
+            sparse.to("tpu")

@@ -1026,7 +1026,11 @@ def _no_sparse(*args, **kwargs):
                               "(keep sparse tensors on the CPU)")
 
 
-for _name in ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc"):
+# Conversions to sparse, and sparse tensors built on tpu (a sparse CPU
+# tensor's .to("tpu")).
+for _name in ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc",
+              "_sparse_coo_tensor_with_dims_and_tensors", "_sparse_coo_tensor_with_dims",
+              "_sparse_compressed_tensor_unsafe", "sparse_compressed_tensor"):
     for _overload in getattr(aten, _name).overloads():
         SPECIAL[getattr(getattr(aten, _name), _overload)] = _no_sparse
 
