@@ -208,7 +208,7 @@ def test_failed_graph_runs_op_by_op(fused, monkeypatch):
     # its ops' own kernels: every tensor gets its value, nothing is lost.
     from torchtpu.modes import fused as fused_mode
 
-    def broken(nodes, live_refs):
+    def broken(nodes, live_refs, donate=None):
         def run(inputs, scalars):
             raise RuntimeError("graph too large")
         return run
@@ -225,7 +225,7 @@ def test_failed_graph_runs_op_by_op(fused, monkeypatch):
 def test_failed_op_in_graph_marks_only_its_results_lost(fused, monkeypatch):
     from torchtpu.modes import fused as fused_mode
 
-    def broken(nodes, live_refs):
+    def broken(nodes, live_refs, donate=None):
         def run(inputs, scalars):
             raise RuntimeError("graph failed")
         return run
@@ -287,3 +287,50 @@ def test_linalg_error_check_reads_info(fused):
         torch.linalg.inv(torch.zeros(3, 3, device="tpu"))
     assert flushes() == {"linalg_check": 2}
     assert metrics.snapshot()["cpu_fallbacks"] == {}
+
+
+def donated():
+    return metrics.snapshot()["donated_inputs"]
+
+
+def test_overwritten_inputs_are_donated(fused):
+    # An in-place update whose old value no tensor holds any more: the
+    # graph gets that buffer (XLA updates it in place); views see the update.
+    x = torch.arange(4.0).to("tpu")
+    v = x.view(2, 2)
+    torchtpu.sync()
+    before = donated()
+    x.mul_(2).add_(1)
+    torchtpu.sync()
+    assert donated() == before + 1
+    torch.testing.assert_close(x.cpu(), torch.arange(4.0) * 2 + 1)
+    torch.testing.assert_close(v.cpu(), (torch.arange(4.0) * 2 + 1).view(2, 2))
+
+
+def test_inputs_still_held_are_not_donated(fused):
+    x = torch.arange(4.0).to("tpu")
+    torchtpu.sync()
+    before = donated()
+    y = x * 2          # x keeps its value: its buffer is not the graph's to reuse
+    z = x.clone()
+    z.add_(1)
+    torchtpu.sync()
+    assert donated() == before
+    torch.testing.assert_close(x.cpu(), torch.arange(4.0))
+    torch.testing.assert_close(y.cpu(), torch.arange(4.0) * 2)
+    torch.testing.assert_close(z.cpu(), torch.arange(4.0) + 1)
+
+
+def test_training_step_donates_parameters_and_state(fused):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8).to("tpu")
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+        before = donated()
+        torchtpu.sync()
+    # weight and bias, their exp_avg and exp_avg_sq
+    assert donated() - before == 6

@@ -420,12 +420,13 @@ def store(key, entry):
     return entry
 
 
-def jit(fn, name=None):
+def jit(fn, name=None, donate_argnums=()):
     """Compile fn through JAX (lazily, at its first call); the disk tier is
-    JAX's persistent cache."""
+    JAX's persistent cache. donate_argnums: arguments whose buffers the
+    computation may reuse for its results (the caller's are invalidated)."""
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
-    return jax.jit(fn)
+    return jax.jit(fn, donate_argnums=donate_argnums)
 
 
 # ---- stored programs ------------------------------------------------------------
@@ -452,12 +453,13 @@ def _source_digest():
     return _source_version
 
 
-def jit_stored(fn, args, key_text, name=None):
+def jit_stored(fn, args, key_text, name=None, donate_argnums=()):
     """jit(fn) for these args through a stored program: key_text describes fn
     completely and the same way in every process (None: not storable)."""
     store_ = _jax_cc._cache if DISK_DIR is not None and _jax_cc is not None else None
     if key_text is None or not isinstance(store_, DiskCache):
-        return jit(fn, name)
+        return jit(fn, name, donate_argnums)
+    key_text += f"\ndonate {tuple(donate_argnums)}"
     from jax import export
     key = PROGRAM_PREFIX + _sha256((_source_digest() + "\n" + key_text).encode())
     blob = store_.get(key)
@@ -465,17 +467,17 @@ def jit_stored(fn, args, key_text, name=None):
         try:
             program = export.deserialize(bytearray(blob))
             STATS.programs_loaded += 1
-            return jax.jit(program.call)
+            return jax.jit(program.call, donate_argnums=donate_argnums)
         except Exception as e:  # a damaged program: trace again and replace it
             store_._corrupt(key, f"{type(e).__name__}: {e}")
-    jitted = jit(fn, name)
+    jitted = jit(fn, name, donate_argnums)
     try:
         program = export.export(jitted)(*args)
         blob = program.serialize()
     except Exception:  # not exportable (a custom call without a stable form)
         return jitted
     store_.put(key, bytes(blob))
-    return jax.jit(program.call)
+    return jax.jit(program.call, donate_argnums=donate_argnums)
 
 
 def stats():

@@ -21,8 +21,8 @@ from . import advisor, cache, errors, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
 from .ops.indexing import is_mask
-from .tensor import (Storage, TpuTensor, _is_contiguous, contiguous_strides, read_view, whole_tensor,
-                     write_view)
+from .tensor import (Storage, TpuTensor, _is_contiguous, contiguous_strides, make_view, read_view,
+                     view_tensor, whole_tensor, write_view)
 
 aten = torch.ops.aten
 
@@ -594,8 +594,10 @@ def _run_view(plan, args, kwargs):
     src = args[0]
     if not isinstance(src, TpuTensor):
         return _run_other(plan, args, kwargs)
-    key = (src._key, tuple(src.shape), src.stride(), src.storage_offset(),
-           _hashable(args[1:]), _hashable(tuple(kwargs.items())))
+    # src._key fixes src's shape, strides and offset (a whole-storage tensor
+    # is contiguous at offset 0).
+    key = (src._key, _hashable(args[1:]) if len(args) > 1 else (),
+           _hashable(tuple(kwargs.items())) if kwargs else ())
     specs = plan.view_cache.get(key)
     if specs is None:
         numel = math.prod(src._storage.array.shape)
@@ -606,18 +608,23 @@ def _run_view(plan, args, kwargs):
         template = _flatten(out, leaves)
         if any(m.dtype != src.dtype for m in leaves):
             raise NotImplementedError(f"{plan.name}: dtype-changing views")
-        specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset()) for m in leaves])
+        storage_shape = src._key[1]
+        specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset(),
+                             (src.dtype, storage_shape, make_view(storage_shape, m.shape, m.stride(),
+                                                                  m.storage_offset())))
+                            for m in leaves])
         plan.view_cache[key] = specs
     template, leaves = specs
     metrics.M.ops_dispatched += 1
     storage = src._storage
-    outs = [TpuTensor(storage, shape, src.dtype, stride, offset) for shape, stride, offset in leaves]
-    return _unflatten(template, outs)
+    if template is ...:
+        return view_tensor(storage, *leaves[0])
+    return _unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])
 
 
 def _hashable(x):
     if isinstance(x, (list, tuple)):
-        return tuple(_hashable(v) for v in x)
+        return tuple([_hashable(v) for v in x])
     if isinstance(x, torch.Tensor):
         raise TypeError("tensor in a view op's static arguments")
     return x

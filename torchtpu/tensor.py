@@ -86,6 +86,17 @@ def whole_tensor(storage, shape, dtype, requires_grad=False, cls=None):
     return r
 
 
+def view_tensor(storage, shape, stride, offset, key, requires_grad=False, cls=None):
+    """A tensor viewing storage with these shape, strides and offset; key is
+    (dtype, storage shape, make_view(...)), which a view op caches."""
+    r = _make_wrapper(cls or TpuTensor, shape, strides=stride, storage_offset=offset, dtype=key[0],
+                      device=DEVICE, requires_grad=requires_grad)
+    r._storage = storage
+    r._view = key[2]
+    r._key = key
+    return r
+
+
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
@@ -99,15 +110,8 @@ class TpuTensor(torch.Tensor):
     def __new__(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):
         if stride is None:
             return whole_tensor(storage, tuple(shape), dtype, requires_grad, cls)
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype,
-            device=DEVICE, requires_grad=requires_grad)
-        r._storage = storage
-        storage_shape = storage.array.shape
-        view = make_view(storage_shape, shape, stride, offset)
-        r._view = view
-        r._key = (dtype, storage_shape, view)
-        return r
+        key = (dtype, storage.array.shape, make_view(storage.array.shape, shape, stride, offset))
+        return view_tensor(storage, shape, stride, offset, key, requires_grad, cls)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

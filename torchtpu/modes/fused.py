@@ -50,6 +50,7 @@ class _Stats:
         self.fused_ops = collections.Counter()  # ops per graph -> graphs
         self.fused_op_total = 0
         self.fused_fallbacks = 0
+        self.donated_inputs = 0
         self.last_flush = None
 
     def snapshot(self):
@@ -61,6 +62,7 @@ class _Stats:
             "fused_ops": dict(self.fused_ops),
             "flushes": dict(self.flushes),
             "fused_fallbacks": self.fused_fallbacks,
+            "donated_inputs": self.donated_inputs,
         }
 
 
@@ -201,8 +203,10 @@ class FusedExecutor(StrictExecutor):
             if owner is not None and owner.array is p:
                 live.append((p, owner))
         live_refs = tuple(p.ref for p, _ in live)
+        self._last = None  # the last graph's results: maybe this one's inputs, to donate
+        donate = None if errors.CHECK_NANS or errors.check_nans_enabled() else _donatable(g, live)
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
-        key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs))
+        key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
         hit = entry is not None
         site = _user_line()
@@ -222,7 +226,7 @@ class FusedExecutor(StrictExecutor):
             nodes = g.nodes
             run = lambda inputs, scalars: _replay(nodes, live_refs, inputs, scalars, _call_jitted)  # noqa: E731
         else:
-            entry = cache.store(key, (_build_graph(g, live_refs), [k for k, _ in g.nodes]))
+            entry = cache.store(key, (_build_graph(g, live_refs, donate), [k for k, _ in g.nodes]))
             STATS.graphs_compiled += 1
             run = entry[0]
         STATS.flushes[reason] += 1
@@ -234,6 +238,8 @@ class FusedExecutor(StrictExecutor):
             print(f"[torchtpu fused] flush reason={reason} at {site} ops={len(g.nodes)} "
                   f"outputs={len(live)} cache={'hit' if hit else 'op-by-op' if churning else 'miss'}",
                   file=sys.stderr)
+        if donate is not None and not churning:
+            STATS.donated_inputs += sum(donate)
         try:
             results = run(g.inputs, g.scalars)
         except Exception as e:
@@ -316,17 +322,53 @@ def _replay(nodes, live_refs, inputs, scalars, call, values=None):
     return [values[(r[1], r[2])] for r in live_refs]
 
 
-def _build_graph(g, live_refs):
+def _donatable(g, live):
+    """Which inputs to donate (XLA then updates them in place, as an
+    optimizer step overwrites parameters and state): those no tensor holds
+    any more (the graph overwrote them), as many of each shape and dtype as
+    results of that shape and dtype need; None if none."""
+    wanted = collections.Counter((p.shape, p.dtype) for p, _ in live)
+    mask = []
+    for a in g.inputs:
+        # Held only by g.inputs (plus this loop and getrefcount's argument).
+        free = sys.getrefcount(a) <= 3
+        kind = (a.shape, a.dtype)
+        if free and wanted[kind] > 0:
+            wanted[kind] -= 1
+            mask.append(True)
+        else:
+            mask.append(False)
+    return tuple(mask) if any(mask) else None
+
+
+def _build_graph(g, live_refs, donate=None):
+    """The compiled graph as run(inputs, scalars); inputs marked in donate
+    are passed as a donated argument."""
     nodes = list(g.nodes)
     start = time.perf_counter()
+    donate = donate or (False,) * len(g.inputs)
+    given = [i for i, d in enumerate(donate) if d]
+    kept = [i for i, d in enumerate(donate) if not d]
 
-    def graph(inputs, scalars):
+    def graph(donated, rest, scalars):
+        inputs = [None] * len(donate)
+        for i, x in zip(given, donated):
+            inputs[i] = x
+        for i, x in zip(kept, rest):
+            inputs[i] = x
         return _replay(nodes, live_refs, inputs, scalars, _call_traced)
 
     graph.__name__ = graph.__qualname__ = f"tpu_fused_{len(nodes)}ops"
-    jitted = cache.jit_stored(graph, (g.inputs, g.scalars), _stable_key(nodes, live_refs, g))
+    args = ([g.inputs[i] for i in given], [g.inputs[i] for i in kept], g.scalars)
+    key_text = _stable_key(nodes, live_refs, g)
+    if key_text is not None:
+        key_text += f"\ndonated {given}"
+    jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else ())
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
-    return jitted
+
+    def run(inputs, scalars):
+        return jitted([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
+    return run
 
 
 def _stable_key(nodes, live_refs, g):
