@@ -10,16 +10,6 @@ CPU fallback (values match CPU).
 """
 
 EXPECTED_FAILURES = {
-    ('chalf', 'bfloat16', 'forward'):
-        'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
-    ('chalf', 'bool', 'forward'):
-        'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
-    ('chalf', 'float32', 'backward'):
-        'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
-    ('chalf', 'float32', 'forward'):
-        'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
-    ('chalf', 'int64', 'forward'):
-        'complex32 has no JAX dtype: tpu tensors do not support torch.complex32 (raises on tpu: TypeError: tpu tensors do not support dtype torch.complex32)',
     ('logcumsumexp', 'float32', 'backward'):
         'values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 6 / 125 (4.8%)',
     ('matrix_exp', 'bfloat16', 'forward'):

@@ -238,6 +238,27 @@ def test_bfloat16():
     assert_same(x.tpu().bfloat16() @ x.tpu().bfloat16().t(), x.bfloat16() @ x.bfloat16().t())
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32():
+    # Stored as complex64 with float16 parts: every result and every write
+    # rounds as CPU does (float16 subnormals and overflow to inf included).
+    def parts(t):
+        return torch.view_as_real(t.cpu() if t.device.type == "tpu" else t)
+    v = torch.tensor([70000., 1e-6, 3.14159265, -2.5e-7]) + 1j * torch.tensor([1.0001, -6e-8, 0.1, 2.])
+    src = v.to(torch.complex64)
+    x = src.chalf()
+    t = src.to("tpu").chalf()
+    assert t.dtype == torch.complex32 and t.cpu().dtype == torch.complex32
+    assert torch.equal(parts(t), parts(x))
+    assert torch.equal(parts(x.to("tpu")), parts(x))
+    assert torch.equal(parts(t * t), parts(x * x))
+    assert torch.equal(parts(t.to(torch.complex64)), parts(x.to(torch.complex64)))
+    acc, acc_cpu = torch.zeros(4, dtype=torch.chalf, device="tpu"), torch.zeros(4, dtype=torch.chalf)
+    acc.add_(src.to("tpu") * 1.0001)
+    acc_cpu.add_(src * 1.0001)
+    assert torch.equal(parts(acc.to(torch.complex64)), parts(acc_cpu.to(torch.complex64)))
+
+
 @torch.library.custom_op("torchtpu_test::scaled_softplus", mutates_args=())
 def _scaled_softplus(x: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.nn.functional.softplus(x) * scale

@@ -274,9 +274,10 @@ def _physical_order(meta):
 
 def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
     lowering = plan.lowering
-    out_dtypes = None
+    out_dtypes = out_tdtypes = None
     if out_meta is not None:
-        out_dtypes = [runtime.jax_dtype(m.dtype) for m in out_meta[0]]
+        out_tdtypes = [m.dtype for m in out_meta[0]]
+        out_dtypes = [runtime.jax_dtype(d) for d in out_tdtypes]
     # Written arguments: (slot, view) of each, in schema order.
     written = []
     if plan.kind == "mutate":
@@ -304,6 +305,8 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
         template = _flatten(result, leaves)
         if out_dtypes is not None and len(out_dtypes) == len(leaves):
             leaves = [x.astype(d) if x.dtype != d else x for x, d in zip(leaves, out_dtypes)]
+            if torch.complex32 in out_tdtypes:
+                leaves = [runtime.fit_to(x, d) for x, d in zip(leaves, out_tdtypes)]
         if orders:
             # Results stored in their memory order, viewed with CPU's strides.
             leaves = [x if o is None else jnp.transpose(x, o) for x, o in zip(leaves, orders)]
@@ -311,7 +314,9 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
             new = leaves[plan.n_plain:]
             leaves = leaves[:plan.n_plain]
             for spec, value in zip(_flat_written(written), new):
-                slot, view = spec[1], spec[4]
+                slot, dtype, view = spec[1], spec[2], spec[4]
+                if dtype == torch.complex32:
+                    value = runtime.fit_to(value.astype(arrays[slot].dtype), dtype)
                 arrays[slot] = write_view(arrays[slot], view, value)
             written_slots = sorted({s[1] for s in _flat_written(written)})
             kernel.out_tree = template
@@ -739,8 +744,8 @@ def download(t):
     """A TpuTensor -> a new CPU tensor with its values."""
     metrics.M.syncs += 1
     if advisor.ON:
-        return advisor.sync_point(lambda: runtime.to_host(device_array(t)))
-    return runtime.to_host(device_array(t))
+        return advisor.sync_point(lambda: runtime.to_host(device_array(t), t.dtype))
+    return runtime.to_host(device_array(t), t.dtype)
 
 
 def copy_into(dst, src_cpu):

@@ -56,6 +56,9 @@ TORCH_TO_JAX = {
     torch.complex128: jnp.complex128,
 }
 JAX_TO_TORCH = {np.dtype(v): k for k, v in TORCH_TO_JAX.items()}
+# complex32 has no JAX dtype: it is stored as complex64 whose parts are
+# float16 values (kernels round them, see fit_to).
+TORCH_TO_JAX[torch.complex32] = jnp.complex64
 
 
 def jax_dtype(dtype):
@@ -69,10 +72,22 @@ def torch_dtype(dtype):
     return JAX_TO_TORCH[np.dtype(dtype)]
 
 
+def fit_to(x, dtype):
+    """x (of jax_dtype(dtype)) holding only values of torch dtype dtype:
+    complex32's parts rounded to float16, else x itself."""
+    if dtype != torch.complex32:
+        return x
+    def half(v):  # a conversion: reduce_precision would flush subnormals
+        return v.astype(jnp.float16).astype(jnp.float32)
+    return jax.lax.complex(half(jnp.real(x)), half(jnp.imag(x)))
+
+
 def to_device(t: torch.Tensor, dev=None):
     """A CPU torch tensor -> a JAX array on the device (always a copy: the
     CPU tensor stays the user's to mutate)."""
     t = t.detach()
+    if t.dtype == torch.complex32:
+        t = t.to(torch.complex64)  # numpy has no complex32
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -86,9 +101,11 @@ def to_device(t: torch.Tensor, dev=None):
     return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
 
 
-def to_host(arr) -> torch.Tensor:
-    """A JAX array -> a new CPU torch tensor that owns its memory."""
+def to_host(arr, dtype=None) -> torch.Tensor:
+    """A JAX array -> a new CPU torch tensor that owns its memory (of torch
+    dtype dtype, where the array's dtype stands for another: complex32)."""
     host = np.array(arr, copy=True)
     if host.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(host)
+    out = torch.from_numpy(host)
+    return out.to(dtype) if dtype is not None and dtype != out.dtype else out
