@@ -192,11 +192,13 @@ def _build(template, it):
 
 
 class _Call:
-    """One op call split into what keys its kernel and what feeds it."""
-    __slots__ = ("storages", "slots", "dynamic")
+    """One op call split into what keys its kernel and what feeds it: the
+    storages (and their arrays, in slot order) and the dynamic scalars."""
+    __slots__ = ("storages", "arrays", "slots", "dynamic")
 
     def __init__(self):
         self.storages = []
+        self.arrays = []
         self.slots = {}
         self.dynamic = []
 
@@ -210,6 +212,7 @@ def _spec(call, value, tensorish):
         if slot is None:
             slot = slots[storage] = len(call.storages)
             call.storages.append(storage)
+            call.arrays.append(storage.array)
         return ("t", slot) + value._key
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and (value.dim() == 0 or tensorish is _INDICES):
@@ -398,6 +401,8 @@ def dispatch(func, args, kwargs):
             return special(*args, **kwargs)
         kind = plan.kind
         if kind == "lower" or kind == "mutate":
+            if plan.accepts is None:  # (_run_accepted, inline on the hot path)
+                return _run_lowered(plan, args, kwargs)
             return _run_accepted(plan, args, kwargs)
         if kind == "view":
             return _run_view(plan, args, kwargs)
@@ -451,11 +456,12 @@ def _run_lowered(plan, args, kwargs):
         advisor.note_new_kernel(plan.name)
     kernel, out_meta, out_tdtypes, orders = entry
     metrics.M.ops_dispatched += 1
-    flat = [s.array for s in call.storages]
-    flat.extend(call.dynamic)
+    flat = call.arrays
+    if call.dynamic:
+        flat.extend(call.dynamic)
     if plan.random:
         flat.extend(rng.next_key())
-    ex = modes.current()
+    ex = modes._current
     if ex.name == "debug" or errors.CHECK_NANS:
         # Index bounds and NaN/Inf checks (torchtpu.errors).
         outs, new_storages = errors.checked_run(ex, plan, kernel, flat, call, args, kwargs)
