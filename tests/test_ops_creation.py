@@ -166,6 +166,10 @@ def test_clone_and_lift():
     lambda a: a.transpose(0, 2).clone(memory_format=torch.contiguous_format),
     lambda a: a.unsqueeze(0).to(memory_format=torch.channels_last),
     lambda a: a.unsqueeze(0).to(memory_format=torch.channels_last).contiguous(),
+    lambda a: torch.empty_like(a.transpose(0, 2)).fill_(3),
+    lambda a: torch.zeros_like(a.permute(2, 0, 1)).add_(a.permute(2, 0, 1)),
+    lambda a: torch.full_like(a.transpose(1, 2), 2.0),
+    lambda a: torch.empty(1, 2, 3, 4, memory_format=torch.channels_last, device=a.device).fill_(1),
 ])
 def test_copies_keep_strides(copy):
     # preserve_format keeps a dense tensor's strides, as on CPU: what
@@ -175,6 +179,17 @@ def test_copies_keep_strides(copy):
     assert got.stride() == want.stride()
     assert_same(got, want)
     assert_same(got.resize_(7), want.resize_(7))
+
+
+@pytest.mark.parametrize("layout", [lambda a: a.transpose(0, 2), lambda a: a.permute(1, 2, 0),
+                                    lambda a: a[:, ::2], lambda a: a.unsqueeze(0).to(memory_format=torch.channels_last)])
+def test_transfer_keeps_strides(layout):
+    # CPU -> tpu allocates with the source's strides where dense, as CUDA does.
+    x = layout(torch.arange(24.).reshape(2, 3, 4))
+    t = x.to("tpu")
+    assert t.stride() == x.clone().stride()
+    assert_same(t, x)
+    assert_same(t.view(-1) if t.is_contiguous() else t.reshape(-1), x.reshape(-1))
 
 
 def test_requires_grad_factories():

@@ -21,6 +21,11 @@ def zeros(*args, **kwargs):
     return jnp.zeros(_out_shape(), ctx_dtype())
 
 
+# empty_strided/empty_like give CPU's strides (a CPU tensor's .to("tpu")
+# allocates with its strides, as CUDA does; preserve_format keeps them).
+zeros.keeps_strides = True
+
+
 @lower(aten.ones.default, aten.new_ones.default)
 def ones(*args, **kwargs):
     return jnp.ones(_out_shape(), ctx_dtype())
@@ -45,6 +50,9 @@ def full(*args, fill_value=None, **kwargs):
 def full_like(x, fill_value, **kwargs):
     dtype = ctx_dtype()
     return jnp.full(x.shape, _fill_value(fill_value, dtype), dtype)
+
+
+full_like.keeps_strides = True
 
 
 @lower(aten.scalar_tensor.default)
