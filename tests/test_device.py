@@ -1,6 +1,7 @@
 """The tpu device: registration, torch.tpu, moving data, printing, saving, dtypes."""
 import io
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same
@@ -236,6 +237,20 @@ def test_bfloat16():
     x = torch.randn(4, 3)
     assert_same(x.tpu().to(torch.bfloat16), x.to(torch.bfloat16), rtol=0, atol=0)
     assert_same(x.tpu().bfloat16() @ x.tpu().bfloat16().t(), x.bfloat16() @ x.bfloat16().t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_intermediate_rounding_matches_cpu_conversion(dtype):
+    # The rounding lowerings apply where CPU rounds to bf16/f16 (and that
+    # complex32 storage uses): float16 subnormals kept, overflow to inf,
+    # ties to even.
+    import jax
+    from torchtpu.runtime import round_to
+    g = torch.Generator().manual_seed(0)
+    v = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-7, 1e-6, 3e-5, 1e-3, 1., 1e4, 7e4)]
+                  + [torch.tensor([65519., 65520., -65520., float("inf"), 0., -0.])])
+    got = jax.jit(lambda x: round_to(x, jax.numpy.dtype(str(dtype).split(".")[1])))(v.numpy())
+    assert torch.equal(torch.from_numpy(np.asarray(got)), v.to(dtype).float())
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")

@@ -72,14 +72,27 @@ def torch_dtype(dtype):
     return JAX_TO_TORCH[np.dtype(dtype)]
 
 
+def round_to(v, dtype):
+    """float32 v rounded to the nearest value of the narrower float dtype
+    (bfloat16, float16), kept float32, as CPU's conversion rounds it.
+    reduce_precision, which XLA never folds away (a convert pair it may),
+    flushes the target's subnormals: float16's, normal float32 numbers, are
+    rounded on their grid (bfloat16's are float32 subnormals, which XLA
+    flushes anyway)."""
+    fi = jnp.finfo(dtype)
+    rounded = jax.lax.reduce_precision(v, fi.nexp, fi.nmant)
+    if fi.nexp >= jnp.finfo(jnp.float32).nexp:
+        return rounded
+    q = float(fi.smallest_subnormal)
+    return jnp.where(jnp.abs(v) < float(fi.smallest_normal), jnp.round(v / q) * q, rounded)
+
+
 def fit_to(x, dtype):
     """x (of jax_dtype(dtype)) holding only values of torch dtype dtype:
     complex32's parts rounded to float16, else x itself."""
     if dtype != torch.complex32:
         return x
-    def half(v):  # a conversion: reduce_precision would flush subnormals
-        return v.astype(jnp.float16).astype(jnp.float32)
-    return jax.lax.complex(half(jnp.real(x)), half(jnp.imag(x)))
+    return jax.lax.complex(round_to(jnp.real(x), jnp.float16), round_to(jnp.imag(x), jnp.float16))
 
 
 def to_device(t: torch.Tensor, dev=None):

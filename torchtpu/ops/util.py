@@ -50,13 +50,12 @@ def cast(x, dtype):
 
 def rounder(dtype):
     """Rounds a float32 value to bf16/f16 and keeps it float32, where CPU
-    rounds an intermediate result (XLA may otherwise skip the rounding);
-    the identity for other dtypes."""
+    rounds an intermediate result (runtime.round_to); the identity for
+    other dtypes."""
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.bfloat16, jnp.float16):
         return lambda v: v
-    fi = jnp.finfo(dtype)
-    return lambda v: jax.lax.reduce_precision(v, fi.nexp, fi.nmant)
+    return lambda v: runtime.round_to(v, dtype)
 
 
 def ctx_dtype(i=0):
