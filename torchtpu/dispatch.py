@@ -13,8 +13,8 @@ import functools
 import math
 import warnings
 
-import torch
 import jax.numpy as jnp
+import torch
 from torch._decomp import decomposition_table
 
 from . import advisor, cache, errors, metrics, modes, runtime

@@ -396,6 +396,11 @@ def check_nans_enabled():
 CHECK_NANS = check_nans_enabled()
 
 
+def nan_checks_on():
+    """Whether NaN/Inf checks run now: set at run time or in the environment."""
+    return CHECK_NANS or check_nans_enabled()
+
+
 def set_check_nans(on=True):
     """Turn NaN/Inf checks on or off at run time (TORCHTPU_CHECK_NANS=1 at start)."""
     global CHECK_NANS
@@ -414,7 +419,7 @@ def checked_run(ex, plan, kernel, flat, call, args, kwargs):
     if debug:
         check_bounds(plan.func, args, kwargs)
     outs, written = ex.run(kernel, flat, call)
-    if not (CHECK_NANS or check_nans_enabled()):
+    if not nan_checks_on():
         return outs, written
     from .modes import debug as dbg
     arrays = tuple(outs) + tuple(written)
@@ -447,11 +452,11 @@ def _graph_lines(g):
 def after_flush(g, results):
     """Fused mode: with NaN checks on, a flushed graph whose results hold
     NaN/Inf is replayed op by op to name the first op that produced one."""
-    if not _fused_log and not (CHECK_NANS or check_nans_enabled()):
+    if not _fused_log and not nan_checks_on():
         return
     lines = _graph_lines(g)
     del _fused_log[:len(g.nodes)]
-    if not (CHECK_NANS or check_nans_enabled()):
+    if not nan_checks_on():
         return
     from .modes import debug as dbg
     if not dbg.any_nonfinite(results):

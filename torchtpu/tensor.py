@@ -110,7 +110,8 @@ class TpuTensor(torch.Tensor):
     def __new__(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):
         if stride is None:
             return whole_tensor(storage, tuple(shape), dtype, requires_grad, cls)
-        key = (dtype, storage.array.shape, make_view(storage.array.shape, shape, stride, offset))
+        storage_shape = storage.array.shape
+        key = (dtype, storage_shape, make_view(storage_shape, shape, stride, offset))
         return view_tensor(storage, shape, stride, offset, key, requires_grad, cls)
 
     __torch_function__ = torch._C._disabled_torch_function_impl

@@ -204,7 +204,7 @@ class FusedExecutor(StrictExecutor):
                 live.append((p, owner))
         live_refs = tuple(p.ref for p, _ in live)
         self._last = None  # the last graph's results: maybe this one's inputs, to donate
-        donate = None if errors.CHECK_NANS or errors.check_nans_enabled() else _donatable(g, live)
+        donate = None if errors.nan_checks_on() else _donatable(g, live)
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
