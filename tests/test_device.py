@@ -1,5 +1,6 @@
 """The tpu device: registration, torch.tpu, moving data, printing, saving, dtypes."""
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -293,3 +294,38 @@ def test_custom_op_with_python_kernel_runs_on_tpu():
     assert got.device.type == "tpu"
     torch.testing.assert_close(got.cpu(), _scaled_softplus(x, 2.5))
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+
+
+# ---- autograd's threads ----------------------------------------------------------
+
+def _backward_thread():
+    """The thread a tpu backward pass runs its hooks on, and x's gradient."""
+    seen = []
+    x = torch.arange(4.0, device="tpu", requires_grad=True)
+    y = x * x
+    y.register_hook(lambda g: seen.append(threading.current_thread()))
+    y.sum().backward()
+    return seen, x.grad
+
+
+def test_backward_runs_on_the_calling_thread():
+    # tpu ops never block the host, so backward runs where it is called (as
+    # for CPU tensors), not on a device thread of autograd's.
+    assert torch.autograd.is_multithreading_enabled() is False
+    seen, grad = _backward_thread()
+    assert seen == [threading.current_thread()]
+    assert_same(grad, 2 * torch.arange(4.0))
+
+
+def test_backward_from_another_thread():
+    # The setting is thread-local: another thread gets autograd's default
+    # (a device thread) and the same gradients.
+    result = []
+    worker = threading.Thread(target=lambda: result.append(
+        (torch.autograd.is_multithreading_enabled(), _backward_thread())))
+    worker.start()
+    worker.join()
+    enabled, (seen, grad) = result[0]
+    assert enabled is True
+    assert seen and seen[0] is not worker
+    assert_same(grad, 2 * torch.arange(4.0))

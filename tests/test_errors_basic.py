@@ -106,9 +106,10 @@ def test_error_points_at_user_line(debug_mode):
 
 
 def test_error_in_a_backward_op_names_the_op(tmp_path):
-    """Backward ops for the tpu device run on the autograd engine's device
-    thread, from which torch 2.13 cannot carry the exception back intact; the
-    message still reaches the user, and the backward pass never succeeds."""
+    """torch 2.13 cannot carry an exception raised in a tpu backward op back
+    to the caller (the device guard calls into Python while it unwinds, and
+    the process aborts); the message still reaches the user, and the
+    backward pass never succeeds."""
     script = tmp_path / "bad_backward.py"
     script.write_text(
         "import torch, torchtpu\n"

@@ -40,7 +40,7 @@ class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
                  "n_plain", "returns", "tensorish", "view_cache", "random", "accepts",
-                 "special", "custom_default", "pos_flags")
+                 "special", "custom_default", "pos_flags", "handler")
 
     def __init__(self, func):
         self.func = func
@@ -104,8 +104,23 @@ def plan_of(func):
     if p is None:
         p = _plans[func] = Plan(func)
         p.special = SPECIAL.get(func)
+        p.handler = _handler(p)
         _plans_by_id[id(func)] = p
     return p
+
+
+def _handler(plan):
+    """The function dispatch() hands this op's calls to: chosen once per op."""
+    if plan.special is not None:
+        special = plan.special
+        return lambda plan, args, kwargs: special(*args, **kwargs)
+    if plan.kind == "lower" or plan.kind == "mutate":
+        return _run_lowered if plan.accepts is None else _run_accepted
+    if plan.kind == "view":
+        return _run_view
+    if plan.kind == "view_inplace":
+        return _run_view_inplace
+    return _run_other
 
 
 def _functional_variant(func):
@@ -396,19 +411,7 @@ def _run_meta(func, args, kwargs, contiguous=False):
 def dispatch(func, args, kwargs):
     try:
         plan = _plans_by_id.get(id(func)) or plan_of(func)
-        special = plan.special
-        if special is not None:
-            return special(*args, **kwargs)
-        kind = plan.kind
-        if kind == "lower" or kind == "mutate":
-            if plan.accepts is None:  # (_run_accepted, inline on the hot path)
-                return _run_lowered(plan, args, kwargs)
-            return _run_accepted(plan, args, kwargs)
-        if kind == "view":
-            return _run_view(plan, args, kwargs)
-        if kind == "view_inplace":
-            return _run_view_inplace(plan, args, kwargs)
-        return _run_other(plan, args, kwargs)
+        return plan.handler(plan, args, kwargs)
     except Exception as e:
         # PyTorch's exception type, at the user's line (torchtpu.errors).
         raise errors.user_error(e, func, args, kwargs)
@@ -423,7 +426,22 @@ def _run_accepted(plan, args, kwargs):
 
 def _run_lowered(plan, args, kwargs):
     call = _Call()
-    pos_specs = tuple([_spec(call, a, f) for a, f in zip(args, plan.pos_flags)])
+    # _spec, with its common case (a tpu tensor) inline: this loop runs for
+    # every argument of every op.
+    slots, storages = call.slots, call.storages
+    pos_specs = []
+    for a, f in zip(args, plan.pos_flags):
+        if type(a) is TpuTensor:
+            storage = a._storage
+            slot = slots.get(storage)
+            if slot is None:
+                slot = slots[storage] = len(storages)
+                storages.append(storage)
+                call.arrays.append(storage.array)
+            pos_specs.append(("t", slot) + a._key)
+        else:
+            pos_specs.append(_spec(call, a, f))
+    pos_specs = tuple(pos_specs)
     kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
                       for k, v in kwargs.items()]) if kwargs else ()
     # The plan stands for its op in the key: it hashes by identity, in C.
@@ -635,7 +653,8 @@ def _run_view(plan, args, kwargs):
 
 def _hashable(x):
     if isinstance(x, (list, tuple)):
-        return tuple([_hashable(v) for v in x])
+        # Sizes and dims are ints: only containers and tensors need a look.
+        return tuple([_hashable(v) if isinstance(v, (list, tuple, torch.Tensor)) else v for v in x])
     if isinstance(x, torch.Tensor):
         raise TypeError("tensor in a view op's static arguments")
     return x

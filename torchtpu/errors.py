@@ -170,8 +170,8 @@ def _translate(e, func, args, kwargs):
 def user_error(e, func, args=(), kwargs=None):
     """The exception to raise, from the dispatcher's except block, for e
     raised while running func: `raise errors.user_error(e, func, args, kwargs)`."""
-    if threading.current_thread() is not threading.main_thread():
-        _report_off_main_thread(e, func)
+    if torch._C._current_graph_task_id() != -1 or threading.current_thread() is not threading.main_thread():
+        _report_unrecoverable(e, func)
     if full_traceback():
         # Re-raising adds the dispatcher's frame again: drop its old entry.
         tb = e.__traceback__
@@ -186,13 +186,14 @@ def user_error(e, func, args=(), kwargs=None):
     return err.with_traceback(None)
 
 
-def _report_off_main_thread(e, func):
-    """The autograd engine runs backward ops for a PyTorch device on its own
-    thread, and torch 2.13 cannot carry an exception raised in
-    __torch_dispatch__ there back to the caller (the process aborts, or the
-    caller gets a SystemError without the message): say what failed first."""
-    print(f"torchtpu: {func} failed on a non-main thread (an autograd backward "
-          f"pass?): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+def _report_unrecoverable(e, func):
+    """torch 2.13 cannot carry an exception raised in __torch_dispatch__
+    during an autograd backward pass on a PyTorch device back to the caller:
+    while it unwinds, the device guard calls into Python with the error set,
+    and the process aborts (or, on another thread, the caller may get a
+    SystemError without the message). Say what failed first."""
+    print(f"torchtpu: {func} failed during a backward pass (or on a non-main thread): "
+          f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 def _hide_internal_frames(frame):

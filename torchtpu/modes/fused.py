@@ -89,7 +89,7 @@ class _Graph:
         self.nodes = []       # (kernel, refs)
         self.outputs = []     # every Pending the nodes produce
         self.inputs = []      # concrete arrays fed to the graph
-        self.input_ids = {}   # id(array) -> index in inputs
+        self.input_refs = {}  # id(array) -> ("a", its index in inputs)
         self.scalars = []     # dynamic scalars fed to the graph
 
 
@@ -134,24 +134,26 @@ class FusedExecutor(StrictExecutor):
 
     # -- recording ---------------------------------------------------------
     def run(self, kernel, flat, call):
-        if len(self._graph.nodes) >= self._limit:
+        g = self._graph
+        if len(g.nodes) >= self._limit:
             # Flush before recording: every earlier result is owned by now.
             self.flush("limit")
             flat = [self._concrete_value(x) for x in flat]
-        g = self._graph
+            g = self._graph
         n_storages = len(call.storages)
+        input_refs = g.input_refs
         refs = []
-        for x in flat[:n_storages]:
+        for x in (flat if len(flat) == n_storages else flat[:n_storages]):
             if type(x) is Pending:
                 refs.append(x.ref)
-            else:
-                idx = g.input_ids.get(id(x))
-                if idx is None:
-                    if type(x) is Lost:
-                        x.fail()
-                    idx = g.input_ids[id(x)] = len(g.inputs)
-                    g.inputs.append(x)
-                refs.append(("a", idx))
+                continue
+            ref = input_refs.get(id(x))
+            if ref is None:
+                if type(x) is Lost:
+                    x.fail()
+                ref = input_refs[id(x)] = ("a", len(g.inputs))
+                g.inputs.append(x)
+            refs.append(ref)
         for x in flat[n_storages:]:
             refs.append(("s", len(g.scalars)))
             g.scalars.append(x)
@@ -159,12 +161,12 @@ class FusedExecutor(StrictExecutor):
         outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
         outs = [Pending(a.shape, a.dtype, ("p", ni, j)) for j, a in enumerate(outs_aval)]
         g.nodes.append((kernel, tuple(refs)))
-        g.outputs.extend(outs)
+        g.outputs += outs
         if not written_aval:
             return outs, ()
         k = len(outs)
         written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
-        g.outputs.extend(written)
+        g.outputs += written
         return outs, written
 
     # -- reading -----------------------------------------------------------
