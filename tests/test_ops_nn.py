@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import torchtpu
 from conftest import assert_same, compare
 
 DEV = "tpu"
@@ -246,6 +247,89 @@ def test_scaled_dot_product_attention():
             r(5, 6), atol=1e-5, rtol=1e-4)
     compare(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=0.3),
             q, r(2, 3, 5, 8), r(2, 3, 5, 8), atol=1e-5, rtol=1e-4)
+
+
+def _full_row_mask():
+    m = torch.rand(5, 6) > 0.3
+    m[2] = False                                   # a row with nothing to attend to
+    return m
+
+
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(is_causal=True),
+    dict(mask=_full_row_mask),
+    dict(mask=lambda: torch.randn(2, 1, 5, 6)),    # broadcast over heads
+    dict(scale=-0.25),
+    dict(dtype=torch.bfloat16, is_causal=True),
+    dict(dtype=torch.float64, mask=lambda: torch.randn(5, 6, dtype=torch.float64)),
+    dict(shape=(4, 5, 8)),                         # no head dim
+    dict(is_causal=True, mask=_full_row_mask),     # both (CPU applies both)
+])
+def test_attention_is_one_op_each_way(mode, case):
+    # On tpu, scaled_dot_product_attention is one op forward and one backward
+    # (torchtpu::attention), with the values and gradients of CPU's.
+    dtype = case.get("dtype", torch.float32)
+    shape = case.get("shape", (2, 3, 5, 8))
+    q, k, v = r(*shape, dtype=dtype), r(*shape[:-2], 6, 8, dtype=dtype), r(*shape[:-2], 6, 8, dtype=dtype)
+    mask = case["mask"]() if "mask" in case else None
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
+
+    def attend(a, b, c):
+        m = None if mask is None else mask.to(a.device)
+        before = torchtpu.metrics.snapshot()["ops_dispatched"]
+        out = F.scaled_dot_product_attention(a, b, c, attn_mask=m, is_causal=case.get("is_causal", False),
+                                             scale=case.get("scale"))
+        if a.device.type == "tpu":
+            assert torchtpu.metrics.snapshot()["ops_dispatched"] - before == 1
+        return out
+    compare(attend, q, k, v, **tol)
+
+
+@pytest.mark.parametrize("call,kv_heads", [
+    (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 2),  # grouped heads
+    (lambda q, k, v: F.scaled_dot_product_attention(q[:1], k, v), 4),                # broadcast batch
+    (lambda q, k, v: F.scaled_dot_product_attention(                                # mask with a grad
+        q, k, v, attn_mask=(k[..., :1] * v[..., :1]).transpose(-1, -2).expand(2, 4, 5, 6)), 4),
+])
+def test_attention_other_cases_take_the_composite(mode, call, kv_heads):
+    compare(call, r(2, 4, 5, 8), r(2, kv_heads, 6, 8), r(2, kv_heads, 6, 8), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("is_causal,with_mask", [(False, False), (True, False), (False, True)])
+def test_attention_double_backward(is_causal, with_mask):
+    # CPU's flash kernel has no double backward; its math path (the
+    # reference here) has, and so has tpu's attention.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = r(2, 3, 5, 8), r(2, 3, 6, 8), r(2, 3, 6, 8)
+    mask = torch.rand(5, 6) > 0.3 if with_mask else None
+
+    def grad_of_grad(q, k, v):
+        m = None if mask is None else mask.to(q.device)
+        with sdpa_kernel([SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal)
+        gq, = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+        return gq.pow(2).sum()
+    compare(grad_of_grad, q, k, v, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_errors_as_on_cpu():
+    q = torch.randn(2, 3, 5, 8)
+    with pytest.raises(RuntimeError) as cpu_err:
+        F.scaled_dot_product_attention(q, q.double(), q)
+    with pytest.raises(RuntimeError) as tpu_err:
+        F.scaled_dot_product_attention(q.to("tpu"), q.double().to("tpu"), q.to("tpu"))
+    assert str(tpu_err.value) == str(cpu_err.value)
+
+
+def test_attention_dropout_is_random_but_seeded():
+    q = torch.randn(2, 3, 5, 8, device="tpu")
+    torch.manual_seed(1)
+    a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    torch.manual_seed(1)
+    b = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert a.shape == (2, 3, 5, 8) and a.dtype == torch.float32
+    assert_same(a, b.cpu())
 
 
 def test_lstm_forward_backward():

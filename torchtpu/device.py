@@ -162,6 +162,9 @@ def register_kernels():
         _lib.impl(name, _factory(op), "PrivateUse1")
     for name, normalize in _FACTORIES.items():
         _lib.impl(name.replace(".default", ""), _lowered_factory(normalize), "PrivateUse1")
+    from .ops.nn import scaled_dot_product_attention
+    # At the autograd key, ahead of PyTorch's composite (torchtpu.ops.nn).
+    _lib.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
     from .dispatch import OUT_VIA_FUNCTIONAL, _copy_, dispatch
     _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")

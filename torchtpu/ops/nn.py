@@ -424,6 +424,127 @@ def log_softmax_backward_data(grad, out, dim, input_dtype):
     return (g - jnp.exp(o) * jnp.sum(g, axis=dim, keepdims=True)).astype(ctx_dtype())
 
 
+# ---- attention ----------------------------------------------------------------
+# scaled_dot_product_attention is a composite op. On a PrivateUse1 device
+# PyTorch runs its math path: about 20 ops forward and 25 backward, ~2 ms of
+# host time per call, and a fused backend for a device can only be chosen
+# from C++. So torchtpu takes the op at its autograd key (device.py) and runs
+# the math path's computation as one op each way: torchtpu::attention and
+# torchtpu::attention_backward, defined here with their meta kernels.
+
+_ATTENTION_LIB = torch.library.Library("torchtpu", "DEF")
+_ATTENTION_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, "
+                      "float scale) -> Tensor")
+_ATTENTION_LIB.define("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, "
+                      "bool is_causal, float scale) -> (Tensor, Tensor, Tensor)")
+_ATTENTION_LIB.impl("attention", lambda q, k, v, mask, is_causal, scale:
+                    q.new_empty(q.shape[:-1] + v.shape[-1:]), "Meta")
+_ATTENTION_LIB.impl("attention_backward", lambda grad, q, k, v, mask, is_causal, scale: (
+    torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), "Meta")
+
+
+def _attention(q, k, v, mask, is_causal, scale):
+    """The math path of scaled_dot_product_attention: bf16/f16 computed in
+    float32 and rounded once at the end, as PyTorch's math path does; q and k
+    each scaled by sqrt(|scale|); their product plus the mask (a bool mask as
+    0/-inf), then -inf above the diagonal if is_causal; a softmax that gives
+    0 on fully masked rows; the product with v."""
+    dtype = q.dtype
+    q, k, v = _up(q), _up(k), _up(v)
+    root = math.sqrt(abs(scale))
+    s = jnp.matmul(q * (-root if scale < 0 else root), jnp.swapaxes(k * root, -1, -2),
+                   precision=HIGHEST)
+    if mask is not None:
+        s = s + (jnp.where(mask, 0, -jnp.inf).astype(s.dtype) if mask.dtype == jnp.bool_
+                 else mask.astype(s.dtype))
+    if is_causal:
+        # With a mask as well, both apply (as on CPU; the math path refuses).
+        s = jnp.where(jnp.tril(jnp.ones((q.shape[-2], k.shape[-2]), jnp.bool_)), s, -jnp.inf)
+    # Softmax of a finite stand-in on fully masked rows: their gradient is 0,
+    # not the NaN a softmax of -inf alone would give.
+    masked = jnp.all(s == -jnp.inf, axis=-1, keepdims=True)
+    p = jnp.where(masked, 0, jax.nn.softmax(jnp.where(masked, 0, s), axis=-1))
+    return jnp.matmul(p, v, precision=HIGHEST).astype(dtype)
+
+
+@lower(torch.ops.torchtpu.attention.default)
+def attention(q, k, v, mask, is_causal, scale):
+    return _attention(q, k, v, mask, is_causal, scale)
+
+
+@lower(torch.ops.torchtpu.attention_backward.default)
+def attention_backward(grad, q, k, v, mask, is_causal, scale):
+    _, vjp = jax.vjp(lambda q_, k_, v_: _attention(q_, k_, v_, mask, is_causal, scale), q, k, v)
+    return vjp(grad.astype(q.dtype))
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, is_causal, scale):
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return torch.ops.torchtpu.attention(q, k, v, mask, is_causal, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, mask = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            # create_graph=True: gradients that are differentiable in turn,
+            # through PyTorch's composite.
+            inputs = [t for t in (q, k, v) if t.requires_grad]
+            grads = iter(torch.autograd.grad(_composite_attention(q, k, v, mask, ctx.is_causal, ctx.scale),
+                                             inputs, grad, create_graph=True))
+            return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None,) * 3
+        gq, gk, gv = torch.ops.torchtpu.attention_backward(grad, q, k, v, mask, ctx.is_causal,
+                                                           ctx.scale)
+        return gq, gk, gv, None, None, None
+
+
+def _composite_attention(q, k, v, mask, is_causal, scale):
+    """The same attention through PyTorch's composite (its math path here),
+    a causal mask folded into attn_mask, which the math path takes alone."""
+    if is_causal and mask is not None:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
+        is_causal = False
+    return torch.ops.aten.scaled_dot_product_attention.default.decompose(q, k, v, mask, 0.0, is_causal,
+                                                                         scale=scale)
+
+
+def _attention_applies(q, k, v, mask, dropout_p, is_causal, enable_gqa):
+    """Whether one attention op computes this call as the math path would;
+    other calls (dropout, grouped heads, a mask that needs a gradient,
+    unusual shapes, invalid input) take PyTorch's composite, its checks and
+    errors included."""
+    if dropout_p != 0.0 or enable_gqa or not q.is_floating_point():
+        return False
+    if not (q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == v.dim() >= 2):
+        return False
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1]
+            and k.shape[-2] == v.shape[-2]):
+        return False
+    if mask is None:
+        return True
+    if mask.requires_grad or mask.device != q.device or mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        return False
+    try:
+        return torch.broadcast_shapes(mask.shape, q.shape[:-1] + k.shape[-2:-1]) == q.shape[:-1] + k.shape[-2:-1]
+    except RuntimeError:
+        return False
+
+
+def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
+                                 scale=None, enable_gqa=False):
+    """aten.scaled_dot_product_attention at the tpu autograd key."""
+    if not _attention_applies(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa):
+        return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, attn_mask, is_causal, scale)
+    return torch.ops.torchtpu.attention(q, k, v, attn_mask, is_causal, scale)
+
+
 # ---- normalization ----------------------------------------------------------
 
 def _bcast_channel(v, ndim):
