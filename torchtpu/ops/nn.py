@@ -426,8 +426,8 @@ def log_softmax_backward_data(grad, out, dim, input_dtype):
 
 # ---- attention ----------------------------------------------------------------
 # scaled_dot_product_attention is a composite op. On a PrivateUse1 device
-# PyTorch runs its math path: about 20 ops forward and 25 backward, ~2 ms of
-# host time per call, and a fused backend for a device can only be chosen
+# PyTorch runs its math path: about 20 ops forward and 25 backward, ~1.3 ms
+# of host time per call, and a fused backend for a device can only be chosen
 # from C++. So torchtpu takes the op at its autograd key (device.py) and runs
 # the math path's computation as one op each way: torchtpu::attention and
 # torchtpu::attention_backward, defined here with their meta kernels.
@@ -511,7 +511,7 @@ def _composite_attention(q, k, v, mask, is_causal, scale):
                                                                          scale=scale)
 
 
-def _attention_applies(q, k, v, mask, dropout_p, is_causal, enable_gqa):
+def _attention_applies(q, k, v, mask, dropout_p, enable_gqa):
     """Whether one attention op computes this call as the math path would;
     other calls (dropout, grouped heads, a mask that needs a gradient,
     unusual shapes, invalid input) take PyTorch's composite, its checks and
@@ -536,7 +536,7 @@ def _attention_applies(q, k, v, mask, dropout_p, is_causal, enable_gqa):
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                  scale=None, enable_gqa=False):
     """aten.scaled_dot_product_attention at the tpu autograd key."""
-    if not _attention_applies(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa):
+    if not _attention_applies(q, k, v, attn_mask, dropout_p, enable_gqa):
         return torch.ops.aten.scaled_dot_product_attention.default.decompose(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
