@@ -14,21 +14,24 @@ def _out_shape(i=0):
     return tuple(ctx.out[i].shape)
 
 
+# zeros_like and ones_like are lowered rather than decomposed into full_like:
+# backward starts with ones_like, every step (the decomposition cost ~50 us
+# on the host).
 @lower(aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default,
        aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default,
-       aten.empty_like.default)
+       aten.empty_like.default, aten.zeros_like.default)
 def zeros(*args, **kwargs):
     return jnp.zeros(_out_shape(), ctx_dtype())
 
 
-# empty_strided/empty_like give CPU's strides (a CPU tensor's .to("tpu")
-# allocates with its strides, as CUDA does; preserve_format keeps them).
-zeros.keeps_strides = True
-
-
-@lower(aten.ones.default, aten.new_ones.default)
+@lower(aten.ones.default, aten.new_ones.default, aten.ones_like.default)
 def ones(*args, **kwargs):
     return jnp.ones(_out_shape(), ctx_dtype())
+
+
+# empty_strided and the *_like give CPU's strides (a CPU tensor's .to("tpu")
+# allocates with its strides, as CUDA does; preserve_format keeps them).
+zeros.keeps_strides = ones.keeps_strides = True
 
 
 def _fill_value(value, dtype):
@@ -53,21 +56,6 @@ def full_like(x, fill_value, **kwargs):
 
 
 full_like.keeps_strides = True
-
-
-# Lowered themselves rather than decomposed into full_like: backward starts
-# with ones_like, every step (the decomposition costs ~50 us on the host).
-@lower(aten.zeros_like.default)
-def zeros_like(x, **kwargs):
-    return jnp.zeros(x.shape, ctx_dtype())
-
-
-@lower(aten.ones_like.default)
-def ones_like(x, **kwargs):
-    return jnp.ones(x.shape, ctx_dtype())
-
-
-zeros_like.keeps_strides = ones_like.keeps_strides = True
 
 
 @lower(aten.scalar_tensor.default)
