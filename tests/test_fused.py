@@ -321,6 +321,22 @@ def test_inputs_still_held_are_not_donated(fused):
     torch.testing.assert_close(z.cpu(), torch.arange(4.0) + 1)
 
 
+def test_donated_buffer_goes_to_the_value_that_replaced_it(fused):
+    # g has w's shape and is recorded first; w's old buffer must still go to
+    # w's new value (updated in place), not to g (which would make XLA copy w).
+    w_cpu = torch.randn(64, 64)
+    w = w_cpu.to("tpu")
+    torchtpu.sync()
+    old = w._storage.array.unsafe_buffer_pointer()
+    g = w * 2
+    w.sub_(g * 0.1)
+    torchtpu.sync()
+    assert w._storage.array.unsafe_buffer_pointer() == old
+    assert g._storage.array.unsafe_buffer_pointer() != old
+    torch.testing.assert_close(w.cpu(), w_cpu - w_cpu * 2 * 0.1)
+    torch.testing.assert_close(g.cpu(), w_cpu * 2)
+
+
 def test_training_step_donates_parameters_and_state(fused):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to("tpu")

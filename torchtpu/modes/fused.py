@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 
 import jax
 
@@ -89,6 +90,7 @@ class _Graph:
         self.nodes = []       # (kernel, refs)
         self.outputs = []     # every Pending the nodes produce
         self.inputs = []      # concrete arrays fed to the graph
+        self.input_owners = []  # weak reference to the storage each input came from
         self.input_refs = {}  # id(array) -> ("a", its index in inputs)
         self.scalars = []     # dynamic scalars fed to the graph
 
@@ -143,7 +145,8 @@ class FusedExecutor(StrictExecutor):
         n_storages = len(call.storages)
         input_refs = g.input_refs
         refs = []
-        for x in (flat if len(flat) == n_storages else flat[:n_storages]):
+        # flat starts with the arrays of call.storages, in the same order.
+        for x, storage in zip(flat, call.storages):
             if type(x) is Pending:
                 refs.append(x.ref)
                 continue
@@ -153,6 +156,7 @@ class FusedExecutor(StrictExecutor):
                     x.fail()
                 ref = input_refs[id(x)] = ("a", len(g.inputs))
                 g.inputs.append(x)
+                g.input_owners.append(weakref.ref(storage))
             refs.append(ref)
         for x in flat[n_storages:]:
             refs.append(("s", len(g.scalars)))
@@ -204,9 +208,11 @@ class FusedExecutor(StrictExecutor):
             owner = p.owner() if p.owner is not None else None
             if owner is not None and owner.array is p:
                 live.append((p, owner))
-        live_refs = tuple(p.ref for p, _ in live)
         self._last = None  # the last graph's results: maybe this one's inputs, to donate
         donate = None if errors.nan_checks_on() else _donatable(g, live)
+        if donate is not None:
+            live = _donation_order(g, live, donate)
+        live_refs = tuple(p.ref for p, _ in live)
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
@@ -341,6 +347,39 @@ def _donatable(g, live):
         else:
             mask.append(False)
     return tuple(mask) if any(mask) else None
+
+
+def _donation_order(g, live, donate):
+    """live reordered so that each donated input's buffer goes to the value
+    that replaced it in its storage (a parameter's buffer to the updated
+    parameter). JAX gives the k-th donated input of a shape and dtype to the
+    k-th output of that shape and dtype; given another (the gradient, say),
+    XLA must copy the input to keep reading it while the output is written."""
+    at = {id(p): i for i, (p, _) in enumerate(live)}
+    first, taken = [], set()
+    successors = {}
+    for i, d in enumerate(donate):
+        if d:
+            storage = g.input_owners[i]()
+            p = storage.array if storage is not None else None
+            j = at.get(id(p))
+            if j is not None and (p.shape, p.dtype) == (g.inputs[i].shape, g.inputs[i].dtype):
+                successors[i] = j
+    claimed = set(successors.values())
+    for i, d in enumerate(donate):
+        if not d:
+            continue
+        j = successors.get(i)
+        if j is None:
+            # No successor: any live value of its kind no other input claims.
+            kind = (g.inputs[i].shape, g.inputs[i].dtype)
+            j = next((j for j, (p, _) in enumerate(live)
+                      if j not in claimed and j not in taken and (p.shape, p.dtype) == kind), None)
+            if j is None:
+                continue
+        taken.add(j)
+        first.append(live[j])
+    return first + [x for j, x in enumerate(live) if j not in taken]
 
 
 def _build_graph(g, live_refs, donate=None):
