@@ -209,26 +209,28 @@ def _build(template, it):
 class _Call:
     """One op call split into what keys its kernel and what feeds it: the
     storages (and their arrays, in slot order) and the dynamic scalars."""
-    __slots__ = ("storages", "arrays", "slots", "dynamic")
+    __slots__ = ("storages", "arrays", "dynamic")
 
-    def __init__(self):
-        self.storages = []
-        self.arrays = []
-        self.slots = {}
+    def __init__(self, storages, arrays):
+        self.storages = storages
+        self.arrays = arrays
         self.dynamic = []
+
+
+def _slot(storages, arrays, storage):
+    """storage's slot in this call (a tensor passed twice has one). Lists, not
+    a dict: an op has a few storages, and `in` compares them by identity."""
+    if storage in storages:
+        return storages.index(storage)
+    storages.append(storage)
+    arrays.append(storage.array)
+    return len(storages) - 1
 
 
 def _spec(call, value, tensorish):
     """The static description of one argument (part of the kernel key)."""
     if isinstance(value, TpuTensor):
-        storage = value._storage
-        slots = call.slots  # storage -> slot (Storage hashes by identity)
-        slot = slots.get(storage)
-        if slot is None:
-            slot = slots[storage] = len(call.storages)
-            call.storages.append(storage)
-            call.arrays.append(storage.array)
-        return ("t", slot) + value._key
+        return ("t", _slot(call.storages, call.arrays, value._storage)) + value._key
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and (value.dim() == 0 or tensorish is _INDICES):
             return _spec(call, to_tpu(value), tensorish)
@@ -425,25 +427,33 @@ def _run_accepted(plan, args, kwargs):
 
 
 def _run_lowered(plan, args, kwargs):
-    call = _Call()
-    # _spec, with its common case (a tpu tensor) inline: this loop runs for
-    # every argument of every op.
-    slots, storages = call.slots, call.storages
+    storages, arrays = [], []
+    call = None  # made for the first argument that is not a tpu tensor
+    # _spec, with its common case (a tpu tensor) and _slot inline: this loop
+    # runs for every argument of every op.
     pos_specs = []
     for a, f in zip(args, plan.pos_flags):
         if type(a) is TpuTensor:
             storage = a._storage
-            slot = slots.get(storage)
-            if slot is None:
-                slot = slots[storage] = len(storages)
+            if storage in storages:
+                slot = storages.index(storage)
+            else:
+                slot = len(storages)
                 storages.append(storage)
-                call.arrays.append(storage.array)
+                arrays.append(storage.array)
             pos_specs.append(("t", slot) + a._key)
         else:
+            if call is None:
+                call = _Call(storages, arrays)
             pos_specs.append(_spec(call, a, f))
     pos_specs = tuple(pos_specs)
-    kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
-                      for k, v in kwargs.items()]) if kwargs else ()
+    if kwargs:
+        if call is None:
+            call = _Call(storages, arrays)
+        kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
+                          for k, v in kwargs.items()])
+    else:
+        kw_specs = ()
     # The plan stands for its op in the key: it hashes by identity, in C.
     key = (plan, pos_specs, kw_specs)
     entry = cache.lookup(key)
@@ -469,26 +479,26 @@ def _run_lowered(plan, args, kwargs):
         if out_meta is not None and getattr(plan.lowering, "keeps_strides", False):
             orders = [_physical_order(m) for m in out_meta[0]]
             orders = orders if any(orders) else None
-        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(call.storages), out_meta, orders),
+        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(storages), out_meta, orders),
                                   out_meta, out_tdtypes, orders))
         advisor.note_new_kernel(plan.name)
     kernel, out_meta, out_tdtypes, orders = entry
     metrics.M.ops_dispatched += 1
-    flat = call.arrays
-    if call.dynamic:
+    flat = arrays
+    if call is not None and call.dynamic:
         flat.extend(call.dynamic)
     if plan.random:
         flat.extend(rng.next_key())
     ex = modes._current
     if ex.name == "debug" or errors.CHECK_NANS:
         # Index bounds and NaN/Inf checks (torchtpu.errors).
-        outs, new_storages = errors.checked_run(ex, plan, kernel, flat, call, args, kwargs)
+        outs, new_storages = errors.checked_run(ex, plan, kernel, flat, storages, args, kwargs)
     else:
-        outs, new_storages = ex.run(kernel, flat, call)
+        outs, new_storages = ex.run(kernel, flat, storages)
     if plan.kind == "mutate":
         slots = sorted({s[1] for s in _flat_written(kernel.written)})
         for slot, arr in zip(slots, new_storages):
-            call.storages[slot].assign(arr)
+            storages[slot].assign(arr)
     elif kernel.out_tree is ... and orders is None and out_tdtypes is not None:
         # The common case, one plain result, without the general wrapping.
         o = outs[0]

@@ -414,12 +414,12 @@ def set_check_nans(on=True):
 _fused_log = []
 
 
-def checked_run(ex, plan, kernel, flat, call, args, kwargs):
+def checked_run(ex, plan, kernel, flat, storages, args, kwargs):
     """ex.run with debug mode's checks: index bounds before, NaN/Inf after."""
     debug = ex.name == "debug"
     if debug:
         check_bounds(plan.func, args, kwargs)
-    outs, written = ex.run(kernel, flat, call)
+    outs, written = ex.run(kernel, flat, storages)
     if not nan_checks_on():
         return outs, written
     from .modes import debug as dbg

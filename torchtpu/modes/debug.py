@@ -46,7 +46,7 @@ def replay_for_nan(g):
 class DebugExecutor(StrictExecutor):
     name = "debug"
 
-    def run(self, kernel, flat, call):
+    def run(self, kernel, flat, storages):
         outs, written = kernel.jitted(*flat)
         jax.block_until_ready((outs, written))
         return outs, written

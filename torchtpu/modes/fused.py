@@ -135,18 +135,19 @@ class FusedExecutor(StrictExecutor):
         self._limit = max_ops()
 
     # -- recording ---------------------------------------------------------
-    def run(self, kernel, flat, call):
+    def run(self, kernel, flat, storages):
         g = self._graph
-        if len(g.nodes) >= self._limit:
+        ni = len(g.nodes)
+        if ni >= self._limit:
             # Flush before recording: every earlier result is owned by now.
             self.flush("limit")
             flat = [self._concrete_value(x) for x in flat]
             g = self._graph
-        n_storages = len(call.storages)
+            ni = 0
         input_refs = g.input_refs
         refs = []
-        # flat starts with the arrays of call.storages, in the same order.
-        for x, storage in zip(flat, call.storages):
+        # flat: the arrays of storages, in the same order, then scalars.
+        for x, storage in zip(flat, storages):
             if type(x) is Pending:
                 refs.append(x.ref)
                 continue
@@ -158,13 +159,19 @@ class FusedExecutor(StrictExecutor):
                 g.inputs.append(x)
                 g.input_owners.append(weakref.ref(storage))
             refs.append(ref)
-        for x in flat[n_storages:]:
-            refs.append(("s", len(g.scalars)))
-            g.scalars.append(x)
-        ni = len(g.nodes)
+        if len(flat) > len(storages):
+            for x in flat[len(storages):]:
+                refs.append(("s", len(g.scalars)))
+                g.scalars.append(x)
         outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
-        outs = [Pending(a.shape, a.dtype, ("p", ni, j)) for j, a in enumerate(outs_aval)]
         g.nodes.append((kernel, tuple(refs)))
+        if len(outs_aval) == 1 and not written_aval:
+            # Most ops: one result.
+            a = outs_aval[0]
+            out = Pending(a.shape, a.dtype, ("p", ni, 0))
+            g.outputs.append(out)
+            return (out,), ()
+        outs = [Pending(a.shape, a.dtype, ("p", ni, j)) for j, a in enumerate(outs_aval)]
         g.outputs += outs
         if not written_aval:
             return outs, ()

@@ -9,7 +9,7 @@ class StrictExecutor:
     def __init__(self):
         self._last = None
 
-    def run(self, kernel, flat, call):
+    def run(self, kernel, flat, storages):
         outs, written = kernel.jitted(*flat)
         self._last = (outs, written)
         return outs, written
