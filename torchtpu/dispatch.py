@@ -39,8 +39,8 @@ _SCALARS = "scalars"
 class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
-                 "n_plain", "returns", "tensorish", "view_cache", "random", "accepts",
-                 "special", "custom_default", "pos_flags", "handler")
+                 "n_plain", "returns", "result_sources", "tensorish", "view_cache", "random",
+                 "accepts", "special", "custom_default", "pos_flags", "handler")
 
     def __init__(self, func):
         self.func = func
@@ -58,6 +58,15 @@ class Plan:
                         if a.alias_info is not None and a.alias_info.is_write]
         self.returns = [r.alias_info for r in schema.returns]
         self.n_plain = sum(1 for r in self.returns if r is None)
+        # Each result of an op that writes arguments: None (a plain result)
+        # or the (position, name) of the argument it returns (self, out=).
+        writers = {}
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                for alias in a.alias_info.before_set:
+                    writers[alias] = (i, a.name)
+        self.result_sources = [None if r is None else writers.get(next(iter(r.before_set)))
+                               for r in self.returns] if self.written else None
         self.functional = None
         self.lowering = LOWERINGS.get(func)
         self.view_cache = {}
@@ -159,10 +168,10 @@ def _functional_variant(func):
 class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
-    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written", "avals",
+    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
                  "stable_key")
 
-    def __init__(self, name, fn, out_dtypes, written, stable_key=None):
+    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None):
         self.name = name
         # The kernel described the same way in every process (fused mode's
         # stored programs), or None.
@@ -170,7 +179,8 @@ class Kernel:
         self.fn = fn
         self.out_dtypes = out_dtypes
         self.out_tree = None
-        self.written = written
+        # The storages an in-place op writes, in the order fn returns them.
+        self.written_slots = written_slots
         self.avals = None  # output avals, filled by fused mode on first use
         self.jitted = cache.jit(fn, name=_kernel_name(name))
 
@@ -209,33 +219,37 @@ def _build(template, it):
 class _Call:
     """One op call split into what keys its kernel and what feeds it: the
     storages (and their arrays, in slot order) and the dynamic scalars."""
-    __slots__ = ("storages", "arrays", "dynamic")
+    __slots__ = ("storages", "arrays", "slots", "dynamic")
 
-    def __init__(self, storages, arrays):
+    def __init__(self, storages, arrays, slots):
         self.storages = storages
         self.arrays = arrays
+        self.slots = slots  # storage -> slot (Storage hashes by identity)
         self.dynamic = []
 
 
-def _slot(storages, arrays, storage):
-    """storage's slot in this call (a tensor passed twice has one). Lists, not
-    a dict: an op has a few storages, and `in` compares them by identity."""
-    if storage in storages:
-        return storages.index(storage)
-    storages.append(storage)
-    arrays.append(storage.array)
-    return len(storages) - 1
+def _tensor_spec(call, t):
+    storage = t._storage
+    slot = call.slots.get(storage)
+    if slot is None:
+        slot = call.slots[storage] = len(call.storages)
+        call.storages.append(storage)
+        call.arrays.append(storage.array)
+    return ("t", slot) + t._key
 
 
 def _spec(call, value, tensorish):
     """The static description of one argument (part of the kernel key)."""
     if isinstance(value, TpuTensor):
-        return ("t", _slot(call.storages, call.arrays, value._storage)) + value._key
+        return _tensor_spec(call, value)
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and (value.dim() == 0 or tensorish is _INDICES):
             return _spec(call, to_tpu(value), tensorish)
         raise _device_mismatch(value)
     if isinstance(value, (list, tuple)):
+        if value and type(value[0]) is TpuTensor and all(type(v) is TpuTensor for v in value):
+            # A foreach op's tensor lists.
+            return ("l", tuple([_tensor_spec(call, v) for v in value]))
         if value and any(isinstance(v, torch.Tensor) for v in value):
             inner = _INDICES if tensorish is _INDICES else True
             return ("l", tuple(_spec(call, v, inner) for v in value))
@@ -306,6 +320,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
             if a.name in plan.written:
                 spec = pos_specs[i] if i < len(pos_specs) else by_name[a.name]
                 written.append(spec)
+    written_slots = sorted({s[1] for s in _flat_written(written)})
 
     kernel = None
 
@@ -338,14 +353,13 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
                 if dtype == torch.complex32:
                     value = runtime.fit_to(value.astype(arrays[slot].dtype), dtype)
                 arrays[slot] = write_view(arrays[slot], view, value)
-            written_slots = sorted({s[1] for s in _flat_written(written)})
             kernel.out_tree = template
             return tuple(leaves), tuple(arrays[s] for s in written_slots)
         kernel.out_tree = template
         return tuple(leaves), ()
 
     stable = repr((plan.name, pos_specs, kw_specs, out_dtypes))
-    kernel = Kernel(plan.name, fn, out_dtypes, written, None if " at 0x" in stable else stable)
+    kernel = Kernel(plan.name, fn, out_dtypes, written_slots, None if " at 0x" in stable else stable)
     return kernel
 
 
@@ -427,29 +441,28 @@ def _run_accepted(plan, args, kwargs):
 
 
 def _run_lowered(plan, args, kwargs):
-    storages, arrays = [], []
+    storages, arrays, slots = [], [], {}
     call = None  # made for the first argument that is not a tpu tensor
-    # _spec, with its common case (a tpu tensor) and _slot inline: this loop
-    # runs for every argument of every op.
+    # _spec, with its common case (a tpu tensor) inline: this loop runs for
+    # every argument of every op.
     pos_specs = []
     for a, f in zip(args, plan.pos_flags):
         if type(a) is TpuTensor:
             storage = a._storage
-            if storage in storages:
-                slot = storages.index(storage)
-            else:
-                slot = len(storages)
+            slot = slots.get(storage)
+            if slot is None:
+                slot = slots[storage] = len(storages)
                 storages.append(storage)
                 arrays.append(storage.array)
             pos_specs.append(("t", slot) + a._key)
         else:
             if call is None:
-                call = _Call(storages, arrays)
+                call = _Call(storages, arrays, slots)
             pos_specs.append(_spec(call, a, f))
     pos_specs = tuple(pos_specs)
     if kwargs:
         if call is None:
-            call = _Call(storages, arrays)
+            call = _Call(storages, arrays, slots)
         kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
                           for k, v in kwargs.items()])
     else:
@@ -496,8 +509,7 @@ def _run_lowered(plan, args, kwargs):
     else:
         outs, new_storages = ex.run(kernel, flat, storages)
     if plan.kind == "mutate":
-        slots = sorted({s[1] for s in _flat_written(kernel.written)})
-        for slot, arr in zip(slots, new_storages):
+        for slot, arr in zip(kernel.written_slots, new_storages):
             storages[slot].assign(arr)
     elif kernel.out_tree is ... and orders is None and out_tdtypes is not None:
         # The common case, one plain result, without the general wrapping.
@@ -597,20 +609,14 @@ def _as_list(x):
 
 
 def _mutation_result(plan, args, kwargs, plain):
-    schema = plan.func._schema
-    by_alias = {}
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(a.name)
-            for s in a.alias_info.before_set:
-                by_alias[s] = value
     results = []
     it = iter(plain)
-    for r in plan.returns:
-        if r is None:
+    for source in plan.result_sources:
+        if source is None:
             results.append(next(it))
         else:
-            results.append(by_alias[next(iter(r.before_set))])
+            i, name = source
+            results.append(args[i] if i < len(args) else kwargs.get(name))
     if not results:
         return None
     return results[0] if len(results) == 1 else tuple(results)
