@@ -265,13 +265,16 @@ def _full_row_mask():
     dict(dtype=torch.float64, mask=lambda: torch.randn(5, 6, dtype=torch.float64)),
     dict(shape=(4, 5, 8)),                         # no head dim
     dict(is_causal=True, mask=_full_row_mask),     # both (CPU applies both)
+    dict(shape=(2, 4, 5, 8), kv_heads=2),          # grouped-query attention
+    dict(kv_heads=1, is_causal=True, mask=_full_row_mask),
 ])
 def test_attention_is_one_op_each_way(mode, case):
     # On tpu, scaled_dot_product_attention is one op forward and one backward
     # (torchtpu::attention), with the values and gradients of CPU's.
     dtype = case.get("dtype", torch.float32)
     shape = case.get("shape", (2, 3, 5, 8))
-    q, k, v = r(*shape, dtype=dtype), r(*shape[:-2], 6, 8, dtype=dtype), r(*shape[:-2], 6, 8, dtype=dtype)
+    kv = shape[:-2] if "kv_heads" not in case else shape[:-3] + (case["kv_heads"],)
+    q, k, v = r(*shape, dtype=dtype), r(*kv, 6, 8, dtype=dtype), r(*kv, 6, 8, dtype=dtype)
     mask = case["mask"]() if "mask" in case else None
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-4)
 
@@ -279,7 +282,7 @@ def test_attention_is_one_op_each_way(mode, case):
         m = None if mask is None else mask.to(a.device)
         before = torchtpu.metrics.snapshot()["ops_dispatched"]
         out = F.scaled_dot_product_attention(a, b, c, attn_mask=m, is_causal=case.get("is_causal", False),
-                                             scale=case.get("scale"))
+                                             scale=case.get("scale"), enable_gqa="kv_heads" in case)
         if a.device.type == "tpu":
             assert torchtpu.metrics.snapshot()["ops_dispatched"] - before == 1
         return out
@@ -287,7 +290,6 @@ def test_attention_is_one_op_each_way(mode, case):
 
 
 @pytest.mark.parametrize("call,kv_heads", [
-    (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 2),  # grouped heads
     (lambda q, k, v: F.scaled_dot_product_attention(q[:1], k, v), 4),                # broadcast batch
     (lambda q, k, v: F.scaled_dot_product_attention(                                # mask with a grad
         q, k, v, attn_mask=(k[..., :1] * v[..., :1]).transpose(-1, -2).expand(2, 4, 5, 6)), 4),
@@ -296,29 +298,33 @@ def test_attention_other_cases_take_the_composite(mode, call, kv_heads):
     compare(call, r(2, 4, 5, 8), r(2, kv_heads, 6, 8), r(2, kv_heads, 6, 8), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("is_causal,with_mask", [(False, False), (True, False), (False, True)])
-def test_attention_double_backward(is_causal, with_mask):
+@pytest.mark.parametrize("is_causal,with_mask,kv_heads", [(False, False, 3), (True, False, 3),
+                                                         (False, True, 3), (True, False, 1)])
+def test_attention_double_backward(is_causal, with_mask, kv_heads):
     # CPU's flash kernel has no double backward; its math path (the
     # reference here) has, and so has tpu's attention.
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q, k, v = r(2, 3, 5, 8), r(2, 3, 6, 8), r(2, 3, 6, 8)
+    q, k, v = r(2, 3, 5, 8), r(2, kv_heads, 6, 8), r(2, kv_heads, 6, 8)
     mask = torch.rand(5, 6) > 0.3 if with_mask else None
 
     def grad_of_grad(q, k, v):
         m = None if mask is None else mask.to(q.device)
         with sdpa_kernel([SDPBackend.MATH]):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal,
+                                                 enable_gqa=kv_heads != 3)
         gq, = torch.autograd.grad((out * out).sum(), q, create_graph=True)
         return gq.pow(2).sum()
     compare(grad_of_grad, q, k, v, atol=1e-4, rtol=1e-4)
 
 
-def test_attention_errors_as_on_cpu():
+@pytest.mark.parametrize("k,gqa", [(torch.randn(2, 3, 6, 8, dtype=torch.float64), False),
+                                   (torch.randn(2, 2, 6, 8), True)])   # 3 heads in 2 groups
+def test_attention_errors_as_on_cpu(k, gqa):
     q = torch.randn(2, 3, 5, 8)
     with pytest.raises(RuntimeError) as cpu_err:
-        F.scaled_dot_product_attention(q, q.double(), q)
+        F.scaled_dot_product_attention(q, k, k, enable_gqa=gqa)
     with pytest.raises(RuntimeError) as tpu_err:
-        F.scaled_dot_product_attention(q.to("tpu"), q.double().to("tpu"), q.to("tpu"))
+        F.scaled_dot_product_attention(q.to("tpu"), k.to("tpu"), k.to("tpu"), enable_gqa=gqa)
     assert str(tpu_err.value) == str(cpu_err.value)
 
 

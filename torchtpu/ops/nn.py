@@ -448,9 +448,14 @@ def _attention(q, k, v, mask, is_causal, scale):
     float32 and rounded once at the end, as PyTorch's math path does; q and k
     each scaled by sqrt(|scale|); their product plus the mask (a bool mask as
     0/-inf), then -inf above the diagonal if is_causal; a softmax that gives
-    0 on fully masked rows; the product with v."""
+    0 on fully masked rows; the product with v. k and v with fewer heads
+    than q (enable_gqa): each of their heads serves that many consecutive
+    heads of q."""
     dtype = q.dtype
     q, k, v = _up(q), _up(k), _up(v)
+    if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
     root = math.sqrt(abs(scale))
     s = jnp.matmul(q * (-root if scale < 0 else root), jnp.swapaxes(k * root, -1, -2),
                    precision=HIGHEST)
@@ -507,21 +512,24 @@ def _composite_attention(q, k, v, mask, is_causal, scale):
         causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
         is_causal = False
-    return torch.ops.aten.scaled_dot_product_attention.default.decompose(q, k, v, mask, 0.0, is_causal,
-                                                                         scale=scale)
+    return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+        q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=q.dim() >= 3 and q.shape[-3] != k.shape[-3])
 
 
 def _attention_applies(q, k, v, mask, dropout_p, enable_gqa):
     """Whether one attention op computes this call as the math path would;
-    other calls (dropout, grouped heads, a mask that needs a gradient,
-    unusual shapes, invalid input) take PyTorch's composite, its checks and
-    errors included."""
-    if dropout_p != 0.0 or enable_gqa or not q.is_floating_point():
+    other calls (dropout, a mask that needs a gradient, unusual shapes,
+    invalid input) take PyTorch's composite, its checks and errors included."""
+    if dropout_p != 0.0 or not q.is_floating_point():
         return False
     if not (q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == v.dim() >= 2):
         return False
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1]
-            and k.shape[-2] == v.shape[-2]):
+    same_heads = q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+    if enable_gqa and not same_heads and q.dim() >= 3:
+        # Grouped-query attention: k and v have fewer heads than q.
+        same_heads = (q.shape[:-3] == k.shape[:-3] == v.shape[:-3] and k.shape[-3] == v.shape[-3]
+                      and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0)
+    if not (same_heads and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2]):
         return False
     if mask is None:
         return True
