@@ -338,6 +338,63 @@ def test_attention_dropout_is_random_but_seeded():
     assert_same(a, b.cpu())
 
 
+def _dropout_keep(q, k, p, seed):
+    """The mask the one attention op draws for q, k under seed: with v the
+    identity, its output is the dropped-out attention weights themselves."""
+    eye = torch.eye(k.shape[-2]).expand(*k.shape[:-1], k.shape[-2]).to(DEV)
+    torch.manual_seed(seed)
+    return F.scaled_dot_product_attention(q.to(DEV), k.to(DEV), eye, dropout_p=p).cpu() != 0
+
+
+def _math_with_mask(q, k, v, keep, p, **kw):
+    """CPU's math path with a given dropout mask (a testing aid it warns about)."""
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("ignore")
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, p, dropout_mask=keep,
+                                                                 **kw)[0]
+
+
+def test_attention_dropout_is_one_op_each_way(mode):
+    # Dropout inside the one op: the mask CPU's math path is given here is the
+    # one the op drew; backward draws it again from the call's random state.
+    q, k, v, g = r(2, 3, 16, 8), r(2, 3, 16, 8), r(2, 3, 16, 8), r(2, 3, 16, 8)
+    keep = _dropout_keep(q, k, 0.3, seed=3)
+    assert 0.62 < keep.float().mean().item() < 0.78   # about 70% kept
+    qd, kd, vd = [t.to(DEV).requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(3)
+    before = torchtpu.metrics.snapshot()["ops_dispatched"]
+    out = F.scaled_dot_product_attention(qd, kd, vd, dropout_p=0.3)
+    assert torchtpu.metrics.snapshot()["ops_dispatched"] - before == 1
+    out.backward(g.to(DEV))
+    qc, kc, vc = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _math_with_mask(qc, kc, vc, keep, 0.3)
+    ref.backward(g)
+    tol = dict(atol=1e-5, rtol=1e-4)
+    assert_same(out, ref, **tol)
+    for d, c in ((qd, qc), (kd, kc), (vd, vc)):
+        assert_same(d.grad, c.grad, **tol)
+
+
+def test_attention_dropout_double_backward():
+    q, k, v = r(2, 3, 5, 8), r(2, 3, 6, 8), r(2, 3, 6, 8)
+    keep = _dropout_keep(q, k, 0.4, seed=5)
+
+    def grad_of_grad(q, k, v, attend):
+        out = attend(q, k, v)
+        gq, = torch.autograd.grad((out * out).sum(), q, create_graph=True)
+        return gq.pow(2).sum()
+    qc = q.clone().requires_grad_()
+    qd = q.to(DEV).requires_grad_()
+    torch.manual_seed(5)
+    got = grad_of_grad(qd, k.to(DEV), v.to(DEV),
+                       lambda a, b, c: F.scaled_dot_product_attention(a, b, c, dropout_p=0.4))
+    want = grad_of_grad(qc, k, v, lambda a, b, c: _math_with_mask(a, b, c, keep, 0.4))
+    assert_same(got, want, atol=1e-4, rtol=1e-4)
+    got.backward()
+    want.backward()
+    assert_same(qd.grad, qc.grad, atol=1e-4, rtol=1e-4)
+
+
 def test_lstm_forward_backward():
     torch.manual_seed(0)
     lstm = torch.nn.LSTM(4, 6, num_layers=2, batch_first=True)

@@ -7,6 +7,7 @@ backward agree by construction.
 """
 import itertools
 import math
+import warnings
 from functools import partial
 from functools import reduce as functools_reduce
 
@@ -17,6 +18,7 @@ import torch
 from jax import lax
 
 from . import ctx, lower
+from . import random as rng
 from .util import ctx_dtype, rounder
 
 aten = torch.ops.aten
@@ -430,27 +432,38 @@ def log_softmax_backward_data(grad, out, dim, input_dtype):
 # of host time per call, and a fused backend for a device can only be chosen
 # from C++. So torchtpu takes the op at its autograd key (device.py) and runs
 # the math path's computation as one op each way: torchtpu::attention and
-# torchtpu::attention_backward, defined here with their meta kernels.
+# torchtpu::attention_backward, defined here with their meta kernels. With
+# dropout, both take the random state (seed, offset) of the call as dynamic
+# scalars: backward draws the forward's mask again instead of keeping it.
 
+_ATTENTION_ARGS = "Tensor? mask, bool is_causal, float scale, float dropout_p, Scalar seed, Scalar offset"
 _ATTENTION_LIB = torch.library.Library("torchtpu", "DEF")
-_ATTENTION_LIB.define("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool is_causal, "
-                      "float scale) -> Tensor")
-_ATTENTION_LIB.define("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, "
-                      "bool is_causal, float scale) -> (Tensor, Tensor, Tensor)")
-_ATTENTION_LIB.impl("attention", lambda q, k, v, mask, is_causal, scale:
-                    q.new_empty(q.shape[:-1] + v.shape[-1:]), "Meta")
-_ATTENTION_LIB.impl("attention_backward", lambda grad, q, k, v, mask, is_causal, scale: (
+_ATTENTION_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) -> Tensor")
+_ATTENTION_LIB.define(f"attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) "
+                      "-> (Tensor, Tensor, Tensor)")
+_ATTENTION_LIB.define("attention_dropout_keep(Tensor q, Tensor k, float dropout_p, Scalar seed, "
+                      "Scalar offset) -> Tensor")
+_ATTENTION_LIB.impl("attention", lambda q, k, v, *args: q.new_empty(q.shape[:-1] + v.shape[-1:]), "Meta")
+_ATTENTION_LIB.impl("attention_backward", lambda grad, q, k, v, *args: (
     torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), "Meta")
+_ATTENTION_LIB.impl("attention_dropout_keep", lambda q, k, *args: torch.empty(
+    q.shape[:-1] + k.shape[-2:-1], dtype=torch.bool, device=q.device), "Meta")
 
 
-def _attention(q, k, v, mask, is_causal, scale):
+def _dropout_keep(shape, dropout_p, seed, offset):
+    """Which attention weights dropout keeps: native_dropout's rule, keyed by
+    the call's random state."""
+    return rng._uniform(rng.key_from(seed, offset), shape, jnp.float32) >= dropout_p
+
+
+def _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
     """The math path of scaled_dot_product_attention: bf16/f16 computed in
     float32 and rounded once at the end, as PyTorch's math path does; q and k
     each scaled by sqrt(|scale|); their product plus the mask (a bool mask as
     0/-inf), then -inf above the diagonal if is_causal; a softmax that gives
-    0 on fully masked rows; the product with v. k and v with fewer heads
-    than q (enable_gqa): each of their heads serves that many consecutive
-    heads of q."""
+    0 on fully masked rows; dropout; the product with v. k and v with fewer
+    heads than q (enable_gqa): each of their heads serves that many
+    consecutive heads of q."""
     dtype = q.dtype
     q, k, v = _up(q), _up(k), _up(v)
     if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
@@ -469,26 +482,36 @@ def _attention(q, k, v, mask, is_causal, scale):
     # not the NaN a softmax of -inf alone would give.
     masked = jnp.all(s == -jnp.inf, axis=-1, keepdims=True)
     p = jnp.where(masked, 0, jax.nn.softmax(jnp.where(masked, 0, s), axis=-1))
+    if dropout_p >= 1:
+        p = jnp.zeros_like(p)
+    elif dropout_p > 0:
+        p = jnp.where(_dropout_keep(p.shape, dropout_p, seed, offset), p * (1 / (1 - dropout_p)), 0)
     return jnp.matmul(p, v, precision=HIGHEST).astype(dtype)
 
 
 @lower(torch.ops.torchtpu.attention.default)
-def attention(q, k, v, mask, is_causal, scale):
-    return _attention(q, k, v, mask, is_causal, scale)
+def attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
+    return _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset)
 
 
 @lower(torch.ops.torchtpu.attention_backward.default)
-def attention_backward(grad, q, k, v, mask, is_causal, scale):
-    _, vjp = jax.vjp(lambda q_, k_, v_: _attention(q_, k_, v_, mask, is_causal, scale), q, k, v)
+def attention_backward(grad, q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
+    _, vjp = jax.vjp(lambda q_, k_, v_: _attention(q_, k_, v_, mask, is_causal, scale, dropout_p, seed,
+                                                   offset), q, k, v)
     return vjp(grad.astype(q.dtype))
+
+
+@lower(torch.ops.torchtpu.attention_dropout_keep.default)
+def attention_dropout_keep(q, k, dropout_p, seed, offset):
+    return _dropout_keep(q.shape[:-1] + k.shape[-2:-1], dropout_p, seed, offset)
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, is_causal, scale):
+    def forward(ctx, q, k, v, mask, *args):
         ctx.save_for_backward(q, k, v, mask)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return torch.ops.torchtpu.attention(q, k, v, mask, is_causal, scale)
+        ctx.args = args  # is_causal, scale, dropout_p, seed, offset
+        return torch.ops.torchtpu.attention(q, k, v, mask, *args)
 
     @staticmethod
     def backward(ctx, grad):
@@ -497,36 +520,47 @@ class _Attention(torch.autograd.Function):
             # create_graph=True: gradients that are differentiable in turn,
             # through PyTorch's composite.
             inputs = [t for t in (q, k, v) if t.requires_grad]
-            grads = iter(torch.autograd.grad(_composite_attention(q, k, v, mask, ctx.is_causal, ctx.scale),
+            grads = iter(torch.autograd.grad(_composite_attention(q, k, v, mask, *ctx.args),
                                              inputs, grad, create_graph=True))
-            return tuple(next(grads) if t.requires_grad else None for t in (q, k, v)) + (None,) * 3
-        gq, gk, gv = torch.ops.torchtpu.attention_backward(grad, q, k, v, mask, ctx.is_causal,
-                                                           ctx.scale)
-        return gq, gk, gv, None, None, None
+            grads = tuple(next(grads) if t.requires_grad else None for t in (q, k, v))
+        else:
+            grads = torch.ops.torchtpu.attention_backward(grad, q, k, v, mask, *ctx.args)
+        return grads + (None,) * (1 + len(ctx.args))
 
 
-def _composite_attention(q, k, v, mask, is_causal, scale):
-    """The same attention through PyTorch's composite (its math path here),
-    a causal mask folded into attn_mask, which the math path takes alone."""
+def _composite_attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
+    """The same attention through PyTorch's math path, op by op: a bool mask
+    as 0/-inf (as scaled_dot_product_attention gives it to the math path), a
+    causal mask folded into it (the math path takes one of them), the dropout
+    mask the one op draws."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     if is_causal and mask is not None:
         causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        mask = mask & causal if mask.dtype == torch.bool else mask.masked_fill(~causal, float("-inf"))
+        mask = mask.masked_fill(~causal, float("-inf"))
         is_causal = False
-    return torch.ops.aten.scaled_dot_product_attention.default.decompose(
-        q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=q.dim() >= 3 and q.shape[-3] != k.shape[-3])
+    keep = None
+    if dropout_p > 0:
+        keep = torch.ops.torchtpu.attention_dropout_keep(q, k, dropout_p, seed, offset)
+    with warnings.catch_warnings():
+        # Its note that an explicit dropout mask is meant for tests.
+        warnings.simplefilter("ignore")
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, mask, dropout_p, is_causal, dropout_mask=keep, scale=scale,
+            enable_gqa=q.dim() >= 3 and q.shape[-3] != k.shape[-3])[0]
 
 
-def _attention_applies(q, k, v, mask, dropout_p, enable_gqa):
+def _attention_applies(q, k, v, mask, dropout_p):
     """Whether one attention op computes this call as the math path would;
-    other calls (dropout, a mask that needs a gradient, unusual shapes,
-    invalid input) take PyTorch's composite, its checks and errors included."""
-    if dropout_p != 0.0 or not q.is_floating_point():
+    other calls (a mask that needs a gradient, unusual shapes, invalid input)
+    take PyTorch's composite, its checks and errors included."""
+    if not (0.0 <= dropout_p <= 1.0) or not q.is_floating_point():
         return False
     if not (q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == v.dim() >= 2):
         return False
     same_heads = q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
-    if enable_gqa and not same_heads and q.dim() >= 3:
-        # Grouped-query attention: k and v have fewer heads than q.
+    if not same_heads and q.dim() >= 3:
+        # Grouped-query attention (enable_gqa): k and v have fewer heads.
         same_heads = (q.shape[:-3] == k.shape[:-3] == v.shape[:-3] and k.shape[-3] == v.shape[-3]
                       and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0)
     if not (same_heads and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2]):
@@ -544,13 +578,18 @@ def _attention_applies(q, k, v, mask, dropout_p, enable_gqa):
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                  scale=None, enable_gqa=False):
     """aten.scaled_dot_product_attention at the tpu autograd key."""
-    if not _attention_applies(q, k, v, attn_mask, dropout_p, enable_gqa):
+    grouped = q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]
+    if (grouped and not enable_gqa) or not _attention_applies(q, k, v, attn_mask, dropout_p):
         return torch.ops.aten.scaled_dot_product_attention.default.decompose(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    # The random state this call draws its dropout mask with (none without).
+    seed, offset = rng.next_key() if dropout_p > 0 else (0, 0)
+    args = (is_causal, scale, dropout_p, seed, offset)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, attn_mask, is_causal, scale)
-    return torch.ops.torchtpu.attention(q, k, v, attn_mask, is_causal, scale)
+        return _Attention.apply(q, k, v, attn_mask, *args)
+    return torch.ops.torchtpu.attention(q, k, v, attn_mask, *args)
 
 
 # ---- normalization ----------------------------------------------------------
