@@ -451,9 +451,8 @@ _ATTENTION_LIB.impl("attention_dropout_keep", lambda q, k, *args: torch.empty(
 
 
 def _dropout_keep(shape, dropout_p, seed, offset):
-    """Which attention weights dropout keeps: native_dropout's rule, keyed by
-    the call's random state."""
-    return rng._uniform(rng.key_from(seed, offset), shape, jnp.float32) >= dropout_p
+    """Which attention weights dropout keeps, keyed by the call's random state."""
+    return rng.dropout_keep(rng.key_from(seed, offset), shape, dropout_p)
 
 
 def _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):

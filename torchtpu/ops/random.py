@@ -212,13 +212,19 @@ def multinomial(probs, num_samples, replacement=False, *, generator=None, key):
     return out.astype(jnp.int64)
 
 
+def dropout_keep(key, shape, p):
+    """Which elements dropout with probability p keeps (dropout and the
+    attention op's dropout)."""
+    return _uniform(key, shape, jnp.float32) >= p
+
+
 @lower(aten.native_dropout.default, random=True)
 def native_dropout(x, p, train, *, key):
     if train is False:
         return x, jnp.ones(x.shape, jnp.bool_)
     if p >= 1:
         return jnp.zeros_like(x), jnp.zeros(x.shape, jnp.bool_)
-    keep = _uniform(key, x.shape, jnp.float32) >= p
+    keep = dropout_keep(key, x.shape, p)
     scale = 1.0 / (1.0 - p)
     return (jnp.where(keep, x, 0) * jnp.asarray(scale, x.dtype)).astype(x.dtype), keep
 
