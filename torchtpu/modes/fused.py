@@ -362,23 +362,21 @@ def _donation_order(g, live, donate):
     parameter). JAX gives the k-th donated input of a shape and dtype to the
     k-th output of that shape and dtype; given another (the gradient, say),
     XLA must copy the input to keep reading it while the output is written."""
-    at = {id(p): i for i, (p, _) in enumerate(live)}
-    first, taken = [], set()
-    successors = {}
+    at = {id(p): j for j, (p, _) in enumerate(live)}
+    pairs = []  # (donated input, the live value that replaced it, or None)
     for i, d in enumerate(donate):
         if d:
             storage = g.input_owners[i]()
             p = storage.array if storage is not None else None
             j = at.get(id(p))
-            if j is not None and (p.shape, p.dtype) == (g.inputs[i].shape, g.inputs[i].dtype):
-                successors[i] = j
-    claimed = set(successors.values())
-    for i, d in enumerate(donate):
-        if not d:
-            continue
-        j = successors.get(i)
-        if j is None:
-            # No successor: any live value of its kind no other input claims.
+            same_kind = j is not None and (p.shape, p.dtype) == (g.inputs[i].shape, g.inputs[i].dtype)
+            pairs.append((i, j if same_kind else None))
+    claimed = {j for _, j in pairs if j is not None}
+    first, taken = [], set()
+    for i, j in pairs:
+        if j is None or j in taken:
+            # No successor: a live value of its kind that no input claims
+            # (_donatable donates no more of a kind than there are).
             kind = (g.inputs[i].shape, g.inputs[i].dtype)
             j = next((j for j, (p, _) in enumerate(live)
                       if j not in claimed and j not in taken and (p.shape, p.dtype) == kind), None)
