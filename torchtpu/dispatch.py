@@ -229,6 +229,7 @@ class _Call:
 
 
 def _tensor_spec(call, t):
+    """A tpu tensor's spec: its storage's slot in this call, then its key."""
     storage = t._storage
     slot = call.slots.get(storage)
     if slot is None:
