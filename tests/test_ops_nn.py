@@ -289,32 +289,58 @@ def test_attention_is_one_op_each_way(mode, case):
     compare(attend, q, k, v, **tol)
 
 
+@pytest.mark.parametrize("mask_shape", [(5, 6), (2, 1, 5, 6), (2, 3, 5, 6)])
+def test_attention_mask_gradient_is_one_op_each_way(mode, mask_shape):
+    # A trainable mask (a learned bias): its gradient comes from the one
+    # backward op, summed over the dims it broadcasts along, as on CPU.
+    mask = torch.randn(*mask_shape)
+    mask[..., 2, :] = float("-inf")                  # a row with nothing to attend to
+
+    def attend(a, b, c, m):
+        before = torchtpu.metrics.snapshot()["ops_dispatched"]
+        out = F.scaled_dot_product_attention(a, b, c, attn_mask=m)
+        if a.device.type == "tpu":
+            assert torchtpu.metrics.snapshot()["ops_dispatched"] - before == 1
+        return out
+    compare(attend, r(2, 3, 5, 8), r(2, 3, 6, 8), r(2, 3, 6, 8), mask, atol=1e-5, rtol=1e-4)
+
+
+def test_attention_mask_gradient_with_is_causal_raises_as_on_cpu():
+    q, m = torch.randn(2, 3, 5, 8), torch.randn(5, 5, requires_grad=True)
+    with pytest.raises(RuntimeError) as cpu_err:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=m, is_causal=True)
+    with pytest.raises(RuntimeError) as tpu_err:
+        F.scaled_dot_product_attention(q.to(DEV), q.to(DEV), q.to(DEV),
+                                       attn_mask=m.detach().to(DEV).requires_grad_(), is_causal=True)
+    assert str(tpu_err.value) == str(cpu_err.value)
+
+
 @pytest.mark.parametrize("call,kv_heads", [
     (lambda q, k, v: F.scaled_dot_product_attention(q[:1], k, v), 4),                # broadcast batch
-    (lambda q, k, v: F.scaled_dot_product_attention(                                # mask with a grad
-        q, k, v, attn_mask=(k[..., :1] * v[..., :1]).transpose(-1, -2).expand(2, 4, 5, 6)), 4),
 ])
 def test_attention_other_cases_take_the_composite(mode, call, kv_heads):
     compare(call, r(2, 4, 5, 8), r(2, kv_heads, 6, 8), r(2, kv_heads, 6, 8), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("is_causal,with_mask,kv_heads", [(False, False, 3), (True, False, 3),
-                                                         (False, True, 3), (True, False, 1)])
+                                                         (False, True, 3), (True, False, 1),
+                                                         (False, "trainable", 3)])
 def test_attention_double_backward(is_causal, with_mask, kv_heads):
     # CPU's flash kernel has no double backward; its math path (the
     # reference here) has, and so has tpu's attention.
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k, v = r(2, 3, 5, 8), r(2, kv_heads, 6, 8), r(2, kv_heads, 6, 8)
-    mask = torch.rand(5, 6) > 0.3 if with_mask else None
+    mask = torch.rand(5, 6) > 0.3 if with_mask is True else None
+    inputs = (q, k, v, r(5, 6)) if with_mask == "trainable" else (q, k, v)
 
-    def grad_of_grad(q, k, v):
-        m = None if mask is None else mask.to(q.device)
+    def grad_of_grad(q, k, v, trainable=None):
+        m = trainable if mask is None else mask.to(q.device)
         with sdpa_kernel([SDPBackend.MATH]):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal,
                                                  enable_gqa=kv_heads != 3)
         gq, = torch.autograd.grad((out * out).sum(), q, create_graph=True)
         return gq.pow(2).sum()
-    compare(grad_of_grad, q, k, v, atol=1e-4, rtol=1e-4)
+    compare(grad_of_grad, *inputs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("k,gqa", [(torch.randn(2, 3, 6, 8, dtype=torch.float64), False),

@@ -439,13 +439,15 @@ def log_softmax_backward_data(grad, out, dim, input_dtype):
 _ATTENTION_ARGS = "Tensor? mask, bool is_causal, float scale, float dropout_p, Scalar seed, Scalar offset"
 _ATTENTION_LIB = torch.library.Library("torchtpu", "DEF")
 _ATTENTION_LIB.define(f"attention(Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) -> Tensor")
-_ATTENTION_LIB.define(f"attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}) "
-                      "-> (Tensor, Tensor, Tensor)")
+# mask_grad: whether to return the mask's gradient (else an empty tensor).
+_ATTENTION_LIB.define(f"attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, {_ATTENTION_ARGS}, "
+                      "bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)")
 _ATTENTION_LIB.define("attention_dropout_keep(Tensor q, Tensor k, float dropout_p, Scalar seed, "
                       "Scalar offset) -> Tensor")
 _ATTENTION_LIB.impl("attention", lambda q, k, v, *args: q.new_empty(q.shape[:-1] + v.shape[-1:]), "Meta")
-_ATTENTION_LIB.impl("attention_backward", lambda grad, q, k, v, *args: (
-    torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)), "Meta")
+_ATTENTION_LIB.impl("attention_backward", lambda grad, q, k, v, mask, *args: (
+    torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+    torch.empty_like(mask) if args[-1] else q.new_empty(0)), "Meta")
 _ATTENTION_LIB.impl("attention_dropout_keep", lambda q, k, *args: torch.empty(
     q.shape[:-1] + k.shape[-2:-1], dtype=torch.bool, device=q.device), "Meta")
 
@@ -494,10 +496,13 @@ def attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
 
 
 @lower(torch.ops.torchtpu.attention_backward.default)
-def attention_backward(grad, q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
-    _, vjp = jax.vjp(lambda q_, k_, v_: _attention(q_, k_, v_, mask, is_causal, scale, dropout_p, seed,
-                                                   offset), q, k, v)
-    return vjp(grad.astype(q.dtype))
+def attention_backward(grad, q, k, v, mask, is_causal, scale, dropout_p, seed, offset, mask_grad):
+    def attend(q_, k_, v_, mask_=mask):
+        return _attention(q_, k_, v_, mask_, is_causal, scale, dropout_p, seed, offset)
+    grad = grad.astype(q.dtype)
+    if mask_grad:
+        return jax.vjp(attend, q, k, v, mask)[1](grad)
+    return (*jax.vjp(attend, q, k, v)[1](grad), jnp.zeros((0,), q.dtype))
 
 
 @lower(torch.ops.torchtpu.attention_dropout_keep.default)
@@ -515,16 +520,19 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, mask = ctx.saved_tensors
+        mask_grad = ctx.needs_input_grad[3]
         if torch.is_grad_enabled():
             # create_graph=True: gradients that are differentiable in turn,
             # through PyTorch's composite.
-            inputs = [t for t in (q, k, v) if t.requires_grad]
+            wanted = (q, k, v, mask)
+            inputs = [t for t, w in zip(wanted, ctx.needs_input_grad) if w]
             grads = iter(torch.autograd.grad(_composite_attention(q, k, v, mask, *ctx.args),
                                              inputs, grad, create_graph=True))
-            grads = tuple(next(grads) if t.requires_grad else None for t in (q, k, v))
+            grads = tuple(next(grads) if w else None for w in ctx.needs_input_grad[:4])
         else:
-            grads = torch.ops.torchtpu.attention_backward(grad, q, k, v, mask, *ctx.args)
-        return grads + (None,) * (1 + len(ctx.args))
+            grads = torch.ops.torchtpu.attention_backward(grad, q, k, v, mask, *ctx.args, mask_grad)
+            grads = grads[:3] + (grads[3] if mask_grad else None,)
+        return grads + (None,) * len(ctx.args)
 
 
 def _composite_attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
@@ -549,10 +557,11 @@ def _composite_attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offse
             enable_gqa=q.dim() >= 3 and q.shape[-3] != k.shape[-3])[0]
 
 
-def _attention_applies(q, k, v, mask, dropout_p):
+def _attention_applies(q, k, v, mask, dropout_p, is_causal):
     """Whether one attention op computes this call as the math path would;
-    other calls (a mask that needs a gradient, unusual shapes, invalid input)
-    take PyTorch's composite, its checks and errors included."""
+    other calls (a batch that broadcasts, invalid input, a mask that needs a
+    gradient with is_causal, which the math path refuses) take PyTorch's
+    composite, its checks and errors included."""
     if not (0.0 <= dropout_p <= 1.0) or not q.is_floating_point():
         return False
     if not (q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == v.dim() >= 2):
@@ -566,7 +575,8 @@ def _attention_applies(q, k, v, mask, dropout_p):
         return False
     if mask is None:
         return True
-    if mask.requires_grad or mask.device != q.device or mask.dtype not in (torch.bool, torch.float32, q.dtype):
+    if (mask.requires_grad and is_causal) or mask.device != q.device or mask.dtype not in (
+            torch.bool, torch.float32, q.dtype):
         return False
     try:
         return torch.broadcast_shapes(mask.shape, q.shape[:-1] + k.shape[-2:-1]) == q.shape[:-1] + k.shape[-2:-1]
@@ -578,7 +588,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
                                  scale=None, enable_gqa=False):
     """aten.scaled_dot_product_attention at the tpu autograd key."""
     grouped = q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    if (grouped and not enable_gqa) or not _attention_applies(q, k, v, attn_mask, dropout_p):
+    if (grouped and not enable_gqa) or not _attention_applies(q, k, v, attn_mask, dropout_p, is_causal):
         return torch.ops.aten.scaled_dot_product_attention.default.decompose(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -586,7 +596,7 @@ def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
     # The random state this call draws its dropout mask with (none without).
     seed, offset = rng.next_key() if dropout_p > 0 else (0, 0)
     args = (is_causal, scale, dropout_p, seed, offset)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask)):
         return _Attention.apply(q, k, v, attn_mask, *args)
     return torch.ops.torchtpu.attention(q, k, v, attn_mask, *args)
 
