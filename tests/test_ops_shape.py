@@ -70,6 +70,10 @@ CASES = [
     ("slice_scatter", lambda a: torch.slice_scatter(a, a[:, ::2] * 2, 1, 0, None, 2)),
     ("select_scatter", lambda a: torch.select_scatter(a, a[1] * 3, 0, -1)),
     ("diagonal_scatter", lambda a: torch.diagonal_scatter(a, a.diagonal(1) + 5, 1)),
+    ("select_backward", lambda a: torch.ops.aten.select_backward(a[1] * 2, [3, 4], 0, -2)),
+    ("slice_backward", lambda a: torch.ops.aten.slice_backward(a[:, 1:4:2] * 2, [3, 4], 1, 1, 4, 2)),
+    ("slice_backward_end", lambda a: torch.ops.aten.slice_backward(a[1:] * 2, [3, 4], 0, -2,
+                                                                   2 ** 63 - 1, 1)),
 ]
 
 
