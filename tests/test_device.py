@@ -70,6 +70,38 @@ def test_module_to_device():
     assert all(p.is_tpu and p.requires_grad for p in model.parameters())
 
 
+class _TiedLM(torch.nn.Module):
+    """An embedding and an output layer sharing one weight, as language
+    models tie them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
+def test_tied_weights_of_a_model_built_on_tpu():
+    # Module.to() gives each module a new parameter of its own for a device
+    # whose tensors are not CPU's tensor type, so it unties shared weights
+    # (README); a model built on the device keeps them tied, and the shared
+    # weight's gradient sums both uses, as on CPU.
+    torch.manual_seed(0)
+    cpu = _TiedLM()
+    with torch.device(torchtpu.get_device()):
+        model = _TiedLM()
+    assert model.head.weight is model.embed.weight and model.head.weight.is_tpu
+    assert len(list(model.parameters())) == 1
+    model.load_state_dict(cpu.state_dict())
+    ids = torch.tensor([[1, 2, 3], [3, 4, 1]])
+    cpu(ids).square().sum().backward()
+    model(ids.to("tpu")).square().sum().backward()
+    assert_same(model.embed.weight.grad, cpu.embed.weight.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_item():
     t = torch.tensor([2.5, -1.0]).tpu()
     assert t[0].item() == 2.5
