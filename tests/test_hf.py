@@ -1,0 +1,50 @@
+"""Hugging Face transformers models, built small from their configs (nothing
+downloaded), train on tpu as on CPU: losses and parameters after a few AdamW
+steps, in every mode."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    # Grouped-query attention (4 query heads, 2 key/value heads), RoPE, RMSNorm.
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attn_implementation="sdpa"))
+
+
+def _gpt2():
+    # Tied embedding and output layer; dropout off, so CPU and tpu agree.
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation="sdpa"))
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_causal_lm_training_parity(mode, make):
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref).to("tpu")
+    model.tie_weights()  # .to() unties gpt2's shared embedding (README: tied weights)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    runs = [(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), ids),
+            (model, torch.optim.AdamW(model.parameters(), lr=1e-3), ids.to("tpu"))]
+    for _ in range(3):
+        losses = []
+        for m, opt, x in runs:
+            loss = m(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().cpu())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    ref_state = ref.state_dict()
+    for name, value in model.state_dict().items():
+        assert value.is_tpu, name
+        torch.testing.assert_close(value.cpu(), ref_state[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
