@@ -1,5 +1,7 @@
 """nn ops on tpu vs CPU, forward and backward: convolution, pooling,
 normalization (with running stats), softmax, losses, attention, LSTM."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -374,8 +376,8 @@ def _dropout_keep(q, k, p, seed):
 
 def _math_with_mask(q, k, v, keep, p, **kw):
     """CPU's math path with a given dropout mask (a testing aid it warns about)."""
-    with __import__("warnings").catch_warnings():
-        __import__("warnings").simplefilter("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, p, dropout_mask=keep,
                                                                  **kw)[0]
 

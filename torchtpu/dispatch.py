@@ -39,7 +39,7 @@ _SCALARS = "scalars"
 class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
-                 "n_plain", "returns", "result_sources", "tensorish", "view_cache", "random",
+                 "n_plain", "result_sources", "tensorish", "view_cache", "random",
                  "accepts", "special", "custom_default", "pos_flags", "handler")
 
     def __init__(self, func):
@@ -56,8 +56,8 @@ class Plan:
         qualified = schema.name + ("." + schema.overload_name if schema.overload_name else "")
         self.written = [a.name for a in schema.arguments
                         if a.alias_info is not None and a.alias_info.is_write]
-        self.returns = [r.alias_info for r in schema.returns]
-        self.n_plain = sum(1 for r in self.returns if r is None)
+        returns = [r.alias_info for r in schema.returns]
+        self.n_plain = sum(1 for r in returns if r is None)
         # Each result of an op that writes arguments: None (a plain result)
         # or the (position, name) of the argument it returns (self, out=).
         writers = {}
@@ -66,11 +66,11 @@ class Plan:
                 for alias in a.alias_info.before_set:
                     writers[alias] = (i, a.name)
         self.result_sources = [None if r is None else writers.get(next(iter(r.before_set)))
-                               for r in self.returns] if self.written else None
+                               for r in returns] if self.written else None
         self.functional = None
         self.lowering = LOWERINGS.get(func)
         self.view_cache = {}
-        aliased = [r for r in self.returns if r is not None]
+        aliased = [r for r in returns if r is not None]
         if self.written:
             self.functional = _functional_variant(func)
             fl = LOWERINGS.get(self.functional) if self.functional else None

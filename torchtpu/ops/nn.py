@@ -557,18 +557,19 @@ def _composite_attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offse
             enable_gqa=q.dim() >= 3 and q.shape[-3] != k.shape[-3])[0]
 
 
-def _attention_applies(q, k, v, mask, dropout_p, is_causal):
+def _attention_applies(q, k, v, mask, dropout_p, is_causal, enable_gqa):
     """Whether one attention op computes this call as the math path would;
-    other calls (a batch that broadcasts, invalid input, a mask that needs a
-    gradient with is_causal, which the math path refuses) take PyTorch's
-    composite, its checks and errors included."""
+    other calls (a batch that broadcasts, invalid input, heads that differ
+    without enable_gqa, a mask that needs a gradient with is_causal, which
+    the math path refuses) take PyTorch's composite, its checks and errors
+    included."""
     if not (0.0 <= dropout_p <= 1.0) or not q.is_floating_point():
         return False
     if not (q.dtype == k.dtype == v.dtype and q.dim() == k.dim() == v.dim() >= 2):
         return False
     same_heads = q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
-    if not same_heads and q.dim() >= 3:
-        # Grouped-query attention (enable_gqa): k and v have fewer heads.
+    if not same_heads and enable_gqa and q.dim() >= 3:
+        # Grouped-query attention: k and v have fewer heads.
         same_heads = (q.shape[:-3] == k.shape[:-3] == v.shape[:-3] and k.shape[-3] == v.shape[-3]
                       and k.shape[-3] > 0 and q.shape[-3] % k.shape[-3] == 0)
     if not (same_heads and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2]):
@@ -587,8 +588,7 @@ def _attention_applies(q, k, v, mask, dropout_p, is_causal):
 def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                                  scale=None, enable_gqa=False):
     """aten.scaled_dot_product_attention at the tpu autograd key."""
-    grouped = q.dim() >= 3 and k.dim() >= 3 and q.shape[-3] != k.shape[-3]
-    if (grouped and not enable_gqa) or not _attention_applies(q, k, v, attn_mask, dropout_p, is_causal):
+    if not _attention_applies(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa):
         return torch.ops.aten.scaled_dot_product_attention.default.decompose(
             q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
