@@ -218,6 +218,27 @@ def test_nan_check_names_issuing_line(mode_name):
     assert f"{__file__}:{line}" in msg
 
 
+@pytest.mark.parametrize("mode_name", ["debug", "strict", "fused"])
+def test_nan_check_in_a_backward_pass_raises_from_backward(mode_name):
+    """A NaN found in a backward op raises from backward() at the user's
+    line (fused mode: at the flush), naming the op, and the process goes on."""
+    errors.set_check_nans(True)
+    try:
+        with torchtpu.eager_mode(mode_name):
+            x = torch.tensor([0.0, 4.0], device="tpu", requires_grad=True)
+            y = torch.sqrt(x)  # its gradient at 0 is inf
+            with pytest.raises(RuntimeError, match="aten.div.Tensor produced NaN or Inf") as err:
+                y.sum().backward()
+                x.grad.cpu()  # fused mode checks here, at the flush
+                raise AssertionError("no NaN check")
+            assert_at_line(err, "x.grad.cpu()" if mode_name == "fused" else "y.sum().backward()")
+    finally:
+        errors.set_check_nans(False)
+    x.grad = None
+    torch.sqrt(x).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), torch.tensor([float("inf"), 0.25]))
+
+
 def _cpu_error(fn, *args):
     with pytest.raises(Exception) as err:
         fn(*args)

@@ -10,6 +10,7 @@ The one place for view and mutation rules:
   written tensors' storages through their views.
 """
 import functools
+import itertools
 import math
 import warnings
 
@@ -21,8 +22,8 @@ from . import advisor, cache, errors, metrics, modes, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
 from .ops.indexing import is_mask
-from .tensor import (Storage, TpuTensor, _is_contiguous, contiguous_strides, make_view, read_view,
-                     view_tensor, whole_tensor, write_view)
+from .tensor import (Lost, Storage, TpuTensor, _is_contiguous, contiguous_strides, make_view,
+                     read_view, view_tensor, whole_tensor, write_view)
 
 aten = torch.ops.aten
 
@@ -430,8 +431,69 @@ def dispatch(func, args, kwargs):
         plan = _plans_by_id.get(id(func)) or plan_of(func)
         return plan.handler(plan, args, kwargs)
     except Exception as e:
+        lost = _lost_argument(args, kwargs)
+        if lost is not None and lost.error is not e:
+            # An input's op failed earlier: that error, not this op's.
+            e = lost.exception()
         # PyTorch's exception type, at the user's line (torchtpu.errors).
-        raise errors.user_error(e, func, args, kwargs)
+        err = errors.user_error(e, func, args, kwargs)
+        if errors.in_backward():
+            # Raising here would abort the process (errors.raise_after_backward):
+            # the pass goes on with lost values and raises err when it ends.
+            results = _lost_results(func, args, kwargs, lost.error if lost is not None else err)
+            if results is not None:
+                errors.raise_after_backward(err)
+                return results
+            errors.report_unrecoverable(err, func)
+        raise err
+
+
+def _lost_argument(args, kwargs):
+    """The Lost value of a tensor argument, if any (an earlier op failed)."""
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            lost = _lost_argument(a, {})
+            if lost is not None:
+                return lost
+        elif type(a) is TpuTensor and type(a._storage.array) is Lost:
+            return a._storage.array
+    return None
+
+
+def _lost_results(func, args, kwargs, error):
+    """What a failed op returns in a backward pass: results of its shapes and
+    dtypes whose values are Lost(error), with the arguments it writes lost
+    too; None when PyTorch's meta kernel cannot give the shapes."""
+    try:
+        meta = _run_meta(func, args, kwargs)
+    except Exception:
+        return None
+    if meta is None:
+        return None
+    schema = func._schema
+    bound = list(zip(schema.arguments, args))
+    bound += [(a, kwargs[a.name]) for a in schema.arguments[len(args):] if a.name in kwargs]
+    by_alias = {}
+    for a, value in bound:
+        if a.alias_info is None:
+            continue
+        by_alias[frozenset(a.alias_info.before_set)] = value
+        if a.alias_info.is_write:
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if type(t) is TpuTensor:
+                    old = t._storage.array
+                    t._storage.assign(Lost(error, old.shape, old.dtype))
+    if schema.is_mutable:
+        # Its results are the arguments it wrote.
+        results = [by_alias.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
+                   for r in schema.returns]
+        if any(r is None for r in results):
+            return None
+        return results[0] if len(results) == 1 else tuple(results)
+    leaves, template = meta
+    return _unflatten(template, [
+        TpuTensor(Storage(Lost(error, tuple(m.shape), runtime.jax_dtype(m.dtype))),
+                  tuple(m.shape), m.dtype) for m in leaves])
 
 
 def _run_accepted(plan, args, kwargs):
@@ -777,6 +839,8 @@ def _reader(view):
 def device_array(t):
     """The concrete JAX array of t's values (in t's shape), syncing if needed."""
     arr = modes.current().concrete(t._storage)
+    if type(arr) is Lost:
+        arr.fail()
     if t._view is None:
         return arr
     return _reader(t._view)(arr)

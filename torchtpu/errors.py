@@ -19,7 +19,6 @@ indices silently; PyTorch raises) and the NaN/Inf checks' op/line reports.
 """
 import os
 import sys
-import threading
 
 import jax
 import torch
@@ -170,8 +169,6 @@ def _translate(e, func, args, kwargs):
 def user_error(e, func, args=(), kwargs=None):
     """The exception to raise, from the dispatcher's except block, for e
     raised while running func: `raise errors.user_error(e, func, args, kwargs)`."""
-    if torch._C._current_graph_task_id() != -1 or threading.current_thread() is not threading.main_thread():
-        _report_unrecoverable(e, func)
     if full_traceback():
         # Re-raising adds the dispatcher's frame again: drop its old entry.
         tb = e.__traceback__
@@ -186,14 +183,40 @@ def user_error(e, func, args=(), kwargs=None):
     return err.with_traceback(None)
 
 
-def _report_unrecoverable(e, func):
-    """torch 2.13 cannot carry an exception raised in __torch_dispatch__
-    during an autograd backward pass on a PyTorch device back to the caller:
-    while it unwinds, the device guard calls into Python with the error set,
-    and the process aborts (or, on another thread, the caller may get a
-    SystemError without the message). Say what failed first."""
-    print(f"torchtpu: {func} failed during a backward pass (or on a non-main thread): "
-          f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+def in_backward():
+    """Whether an autograd backward pass is running on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# Backward passes (graph task ids) with an error queued to raise at their end.
+_failed_passes = set()
+
+
+def raise_after_backward(err):
+    """Raise err when the running backward pass ends; the pass's first error
+    wins. torch 2.13 cannot carry an exception raised in __torch_dispatch__
+    out of a backward op on a PyTorch device: the engine's stream guard calls
+    into Python while the error is still set, and the process aborts. An
+    exception from a callback queued on the engine reaches the caller of
+    backward() intact."""
+    task = torch._C._current_graph_task_id()
+    if task in _failed_passes:
+        return
+    _failed_passes.add(task)
+
+    def raise_it():
+        __tracebackhide__ = True
+        _failed_passes.discard(task)
+        raise err
+    torch.autograd.Variable._execution_engine.queue_callback(raise_it)
+
+
+def report_unrecoverable(e, func):
+    """An op failed in a backward pass and no stand-in results could be
+    made (raise_after_backward): the process is about to abort; say what
+    failed first."""
+    print(f"torchtpu: {func} failed during a backward pass: {type(e).__name__}: {e}",
+          file=sys.stderr, flush=True)
 
 
 def _hide_internal_frames(frame):

@@ -34,6 +34,27 @@ class Pending:
         self.owner = None
 
 
+class Lost:
+    """The value of a storage whose op failed where the error could not be
+    raised at once: in a fused graph run at a flush, or in a backward pass
+    (which cannot stop mid-way on a PyTorch device; the error is raised when
+    the pass ends). Using the tensor raises that error."""
+    __slots__ = ("error", "shape", "dtype")
+
+    def __init__(self, error, shape, dtype):
+        self.error = error
+        self.shape = shape
+        self.dtype = dtype
+
+    def exception(self):
+        why = str(self.error).removeprefix("torchtpu: ")
+        return RuntimeError("torchtpu: this tensor has no value: the op that computes it "
+                            f"failed ({type(self.error).__name__}: {why})")
+
+    def fail(self):
+        raise self.exception()
+
+
 class Storage:
     __slots__ = ("array", "__weakref__")
 

@@ -24,7 +24,7 @@ import weakref
 import jax
 
 from .. import cache, errors, metrics
-from ..tensor import Pending
+from ..tensor import Lost, Pending
 from .strict import StrictExecutor
 
 
@@ -112,18 +112,6 @@ class _GraphKey:
         return type(other) is _GraphKey and self.hash == other.hash and self.parts == other.parts
 
 
-class Lost:
-    """The value of a tensor whose op failed in a flushed graph."""
-    __slots__ = ("error",)
-
-    def __init__(self, error):
-        self.error = error
-
-    def fail(self):
-        raise RuntimeError("torchtpu: this tensor has no value: the op that computes it failed "
-                           f"when its fused graph ran ({type(self.error).__name__}: {self.error})")
-
-
 class FusedExecutor(StrictExecutor):
     name = "fused"
 
@@ -194,8 +182,6 @@ class FusedExecutor(StrictExecutor):
         reason = take_sync_reason("read")
         if type(storage.array) is Pending:
             self.flush(reason)
-        if type(storage.array) is Lost:
-            storage.array.fail()
         return storage.array
 
     def sync(self):
@@ -279,7 +265,7 @@ class FusedExecutor(StrictExecutor):
         except Exception as e:
             for p, owner in live:
                 value = values.get(p.ref[1:])
-                owner.array = value if value is not None else Lost(e)
+                owner.array = value if value is not None else Lost(e, p.shape, p.dtype)
             raise
 
     def _note_churn(self, site, key, hit):
