@@ -25,15 +25,17 @@ def _gpt2():
         attn_implementation="sdpa"))
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
-def test_causal_lm_training_parity(mode, make):
+def _train_parity(make, compile_backend=None):
+    """Three AdamW steps on tpu (the model compiled with compile_backend, if
+    given) and on CPU: losses and parameters compared."""
     torch.manual_seed(0)
     ref = make()
     model = copy.deepcopy(ref).to("tpu")
     model.tie_weights()  # .to() unties gpt2's shared embedding (README: tied weights)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    run = model if compile_backend is None else torch.compile(model, backend=compile_backend)
     runs = [(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), ids),
-            (model, torch.optim.AdamW(model.parameters(), lr=1e-3), ids.to("tpu"))]
+            (run, torch.optim.AdamW(model.parameters(), lr=1e-3), ids.to("tpu"))]
     for _ in range(3):
         losses = []
         for m, opt, x in runs:
@@ -48,3 +50,15 @@ def test_causal_lm_training_parity(mode, make):
         assert value.is_tpu, name
         torch.testing.assert_close(value.cpu(), ref_state[name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_causal_lm_training_parity(mode, make):
+    _train_parity(make)
+
+
+def test_compiled_llama_trains_as_on_cpu(mode):
+    """torch.compile(backend="tpu"): the model makes tpu tensors in forward
+    (positions, the causal mask), which Dynamo captures."""
+    torch._dynamo.reset()
+    _train_parity(_llama, compile_backend="tpu")
