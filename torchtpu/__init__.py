@@ -9,10 +9,15 @@ from . import cache, metrics, ops  # noqa: E402
 ops.load_all()
 _device.register_kernels()
 
-from . import compile as _compile, distributed as _distributed  # noqa: E402
+from . import compile as _compile  # noqa: E402
 
 _compile.register()
-_distributed.register()
+
+import torch.distributed as _dist  # noqa: E402
+
+if _dist.is_available():
+    from . import distributed as _distributed
+    _distributed.register()
 
 from .device import get_device  # noqa: E402
 from .modes import eager_mode, get_eager_mode, set_eager_mode, sync  # noqa: E402
