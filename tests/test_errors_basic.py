@@ -130,6 +130,10 @@ def test_error_in_a_backward_op_raises_from_backward(tmp_path):
         "        x.grad.cpu()\n"
         "    except RuntimeError as e:\n"
         "        print(mode, 'x.grad:', e)\n"
+        "    try:\n"
+        "        (x.grad * 2).cpu()\n"
+        "    except RuntimeError as e:\n"
+        "        print(mode, 'x.grad * 2:', e)\n"
         "    x.grad = None\n"
         "    torch.sigmoid(x).sum().backward()\n"
         "    s = torch.sigmoid(x.detach().cpu())\n"
@@ -143,8 +147,10 @@ def test_error_in_a_backward_op_raises_from_backward(tmp_path):
         assert f"{mode} w.grad right: True" in proc.stdout
         assert (f"{mode} x.grad: torchtpu: this tensor has no value: the op that computes it "
                 "failed (ValueError: aten.threshold_backward.default") in proc.stdout
+        assert (f"{mode} x.grad * 2: torchtpu: this tensor has no value: the op that computes "
+                "it failed (ValueError: aten.threshold_backward.default") in proc.stdout
         assert f"{mode} next backward right: True" in proc.stdout
-    assert proc.stdout.count("lowering exploded") == 6
+    assert proc.stdout.count("lowering exploded") == 9
 
 
 def test_sparse_layouts_are_refused_clearly():
