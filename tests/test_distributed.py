@@ -36,6 +36,22 @@ WORKER = textwrap.dedent("""\
     dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank), device="tpu"))
     result["all_gather_into_tensor"] = gathered.cpu().tolist()
     dist.barrier()
+    red = torch.tensor([rank + 1.0], device="tpu")
+    dist.reduce(red, dst=0)
+    result["reduce"] = red.cpu().tolist()
+    gl = [torch.empty(1, device="tpu") for _ in range(2)] if rank == 0 else None
+    dist.gather(torch.tensor([rank + 5.0], device="tpu"), gl, dst=0)
+    result["gather"] = [t.cpu().tolist() for t in gl] if rank == 0 else None
+    sc = torch.empty(1, device="tpu")
+    dist.scatter(sc, [torch.tensor([7.0], device="tpu"), torch.tensor([8.0], device="tpu")]
+                 if rank == 0 else None, src=0)
+    result["scatter"] = sc.cpu().tolist()
+    msg = torch.tensor([42.0], device="tpu") if rank == 0 else torch.zeros(1, device="tpu")
+    if rank == 0:
+        dist.send(msg, dst=1)
+    else:
+        dist.recv(msg, src=0)
+    result["send_recv"] = msg.cpu().tolist()
     c = torch.tensor([rank + 1.0])  # a CPU tensor goes through the same group
     dist.all_reduce(c)
     result["cpu_all_reduce"] = c.tolist()
@@ -95,6 +111,10 @@ def test_collectives_and_ddp_across_two_processes(tmp_path):
         assert r["all_to_all"] == ([0.0, 1.0, 10.0, 11.0] if rank == 0 else [2.0, 3.0, 12.0, 13.0])
         assert r["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
         assert r["cpu_all_reduce"] == [3.0]
+        assert r["reduce"] == ([3.0] if rank == 0 else [2.0])
+        assert r["gather"] == ([[5.0], [6.0]] if rank == 0 else None)
+        assert r["scatter"] == [7.0 + rank]
+        assert r["send_recv"] == [42.0]
         for mode in ("debug", "strict", "fused"):
             for got, want in zip(r[mode], expected):
                 torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

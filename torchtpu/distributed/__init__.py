@@ -49,84 +49,67 @@ class TpuProcessGroup(dist.ProcessGroup):
     def getBackendName(self):
         return NAME
 
-    def allreduce(self, tensors, opts=AllreduceOptions()):
+    def _in_place(self, method, tensors, *rest):
+        """gloo's method(host copies of tensors, *rest); tensors get the results."""
         hosts = _host(tensors)
-        self._gloo.allreduce(hosts, opts).wait()
+        getattr(self._gloo, method)(hosts, *rest).wait()
         _write_back(tensors, hosts)
         return _done(tensors)
+
+    def _lists(self, method, output_lists, inputs, opts):
+        """gloo's method into host copies of lists of output tensors."""
+        hosts = [_host(outs) for outs in output_lists]
+        getattr(self._gloo, method)(hosts, _host(inputs), opts).wait()
+        _write_back([t for outs in output_lists for t in outs], [h for hs in hosts for h in hs])
+        return _done(output_lists)
+
+    def _single(self, method, output, input, *rest):
+        """gloo's method(host output, host input, *rest); output gets the result."""
+        host = output.detach().cpu()
+        getattr(self._gloo, method)(host, input.detach().cpu(), *rest).wait()
+        _write_back([output], [host])
+        return _done(output)
+
+    def allreduce(self, tensors, opts=AllreduceOptions()):
+        return self._in_place("allreduce", tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=AllreduceCoalescedOptions()):
-        hosts = _host(tensors)
-        self._gloo.allreduce_coalesced(hosts, opts).wait()
-        _write_back(tensors, hosts)
-        return _done(tensors)
+        return self._in_place("allreduce_coalesced", tensors, opts)
 
     def broadcast(self, tensors, opts=BroadcastOptions()):
-        hosts = _host(tensors)
-        self._gloo.broadcast(hosts, opts).wait()
-        _write_back(tensors, hosts)
-        return _done(tensors)
-
-    def allgather(self, output_lists, inputs, opts=AllgatherOptions()):
-        host_outputs = [_host(outs) for outs in output_lists]
-        self._gloo.allgather(host_outputs, _host(inputs), opts).wait()
-        for outs, hosts in zip(output_lists, host_outputs):
-            _write_back(outs, hosts)
-        return _done(output_lists)
-
-    def all_gather_single(self, output, input, opts=AllgatherOptions()):
-        host_out = output.detach().cpu()
-        self._gloo._allgather_base(host_out, input.detach().cpu(), opts).wait()
-        _write_back([output], [host_out])
-        return _done(output)
-
-    def reduce_scatter(self, outputs, input_lists, opts=ReduceScatterOptions()):
-        hosts = _host(outputs)
-        self._gloo.reduce_scatter(hosts, [_host(ins) for ins in input_lists], opts).wait()
-        _write_back(outputs, hosts)
-        return _done(outputs)
-
-    def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
-        host_out = output.detach().cpu()
-        self._gloo._reduce_scatter_base(host_out, input.detach().cpu(), opts).wait()
-        _write_back([output], [host_out])
-        return _done(output)
+        return self._in_place("broadcast", tensors, opts)
 
     def reduce(self, tensors, opts=ReduceOptions()):
-        hosts = _host(tensors)
-        self._gloo.reduce(hosts, opts).wait()
-        _write_back(tensors, hosts)
-        return _done(tensors)
+        return self._in_place("reduce", tensors, opts)
 
-    def gather(self, output_lists, inputs, opts=GatherOptions()):
-        host_outputs = [_host(outs) for outs in output_lists]
-        self._gloo.gather(host_outputs, _host(inputs), opts).wait()
-        for outs, hosts in zip(output_lists, host_outputs):
-            _write_back(outs, hosts)
-        return _done(output_lists)
+    def recv(self, tensors, src, tag=0):
+        return self._in_place("recv", tensors, src, tag)
+
+    def send(self, tensors, dst, tag=0):
+        return self._in_place("send", tensors, dst, tag)
+
+    def reduce_scatter(self, outputs, input_lists, opts=ReduceScatterOptions()):
+        return self._in_place("reduce_scatter", outputs, [_host(ins) for ins in input_lists], opts)
 
     def scatter(self, outputs, input_lists, opts=ScatterOptions()):
-        hosts = _host(outputs)
-        self._gloo.scatter(hosts, [_host(ins) for ins in input_lists], opts).wait()
-        _write_back(outputs, hosts)
-        return _done(outputs)
+        return self._in_place("scatter", outputs, [_host(ins) for ins in input_lists], opts)
+
+    def allgather(self, output_lists, inputs, opts=AllgatherOptions()):
+        return self._lists("allgather", output_lists, inputs, opts)
+
+    def gather(self, output_lists, inputs, opts=GatherOptions()):
+        return self._lists("gather", output_lists, inputs, opts)
+
+    def all_gather_single(self, output, input, opts=AllgatherOptions()):
+        return self._single("_allgather_base", output, input, opts)
+
+    def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
+        return self._single("_reduce_scatter_base", output, input, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=AllToAllOptions()):
-        host_out = output.detach().cpu()
-        self._gloo.alltoall_base(host_out, input.detach().cpu(), output_split_sizes,
-                                 input_split_sizes, opts).wait()
-        _write_back([output], [host_out])
-        return _done(output)
-
-    def send(self, tensors, dst, tag=0):
-        return self._gloo.send(_host(tensors), dst, tag)
-
-    def recv(self, tensors, src, tag=0):
-        hosts = _host(tensors)
-        self._gloo.recv(hosts, src, tag).wait()
-        _write_back(tensors, hosts)
-        return _done(tensors)
+        return self._single("alltoall_base", output, input, output_split_sizes,
+                            input_split_sizes, opts)
 
     def barrier(self, opts=BarrierOptions()):
         self._gloo.barrier(opts).wait()
