@@ -48,7 +48,9 @@ WORKER = textwrap.dedent("""\
     result["scatter"] = sc.cpu().tolist()
     msg = torch.tensor([42.0], device="tpu") if rank == 0 else torch.zeros(1, device="tpu")
     if rank == 0:
+        version = msg._version
         dist.send(msg, dst=1)
+        result["send_wrote"] = msg._version != version  # a send writes nothing
     else:
         dist.recv(msg, src=0)
     result["send_recv"] = msg.cpu().tolist()
@@ -115,6 +117,7 @@ def test_collectives_and_ddp_across_two_processes(tmp_path):
         assert r["gather"] == ([[5.0], [6.0]] if rank == 0 else None)
         assert r["scatter"] == [7.0 + rank]
         assert r["send_recv"] == [42.0]
+        assert r.get("send_wrote") is (False if rank == 0 else None)
         for mode in ("debug", "strict", "fused"):
             for got, want in zip(r[mode], expected):
                 torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)

@@ -86,7 +86,9 @@ class TpuProcessGroup(dist.ProcessGroup):
         return self._in_place("recv", tensors, src, tag)
 
     def send(self, tensors, dst, tag=0):
-        return self._in_place("send", tensors, dst, tag)
+        # Nothing comes back: the tensors are left as they are.
+        self._gloo.send(_host(tensors), dst, tag).wait()
+        return _done(tensors)
 
     def reduce_scatter(self, outputs, input_lists, opts=ReduceScatterOptions()):
         return self._in_place("reduce_scatter", outputs, [_host(ins) for ins in input_lists], opts)
