@@ -465,31 +465,22 @@ def _lost_results(func, args, kwargs, error):
     dtypes whose values are Lost(error), with the arguments it writes lost
     too; None when PyTorch's meta kernel cannot give the shapes."""
     try:
+        plan = plan_of(func)
         meta = _run_meta(func, args, kwargs)
     except Exception:
         return None
     if meta is None:
         return None
-    schema = func._schema
-    bound = list(zip(schema.arguments, args))
-    bound += [(a, kwargs[a.name]) for a in schema.arguments[len(args):] if a.name in kwargs]
-    by_alias = {}
-    for a, value in bound:
-        if a.alias_info is None:
-            continue
-        by_alias[frozenset(a.alias_info.before_set)] = value
-        if a.alias_info.is_write:
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if type(t) is TpuTensor:
-                    old = t._storage.array
-                    t._storage.assign(Lost(error, old.shape, old.dtype))
-    if schema.is_mutable:
-        # Its results are the arguments it wrote.
-        results = [by_alias.get(frozenset(r.alias_info.before_set)) if r.alias_info else None
-                   for r in schema.returns]
-        if any(r is None for r in results):
-            return None
-        return results[0] if len(results) == 1 else tuple(results)
+    if plan.written:
+        if plan.n_plain:
+            return None  # only the written arguments can stand in for results
+        for i, a in enumerate(func._schema.arguments):
+            if a.name in plan.written:
+                for t in _as_list(args[i] if i < len(args) else kwargs.get(a.name)):
+                    if type(t) is TpuTensor:
+                        old = t._storage.array
+                        t._storage.assign(Lost(error, old.shape, old.dtype))
+        return _mutation_result(plan, args, kwargs, [])
     leaves, template = meta
     return _unflatten(template, [
         TpuTensor(Storage(Lost(error, tuple(m.shape), runtime.jax_dtype(m.dtype))),
