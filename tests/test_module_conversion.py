@@ -1,0 +1,153 @@
+"""Module conversion to, on and from tpu (`.to("tpu")`, `.tpu()`, `.to(dtype)`,
+`.to("cpu")`, `to_empty`) keeps one parameter where the model had one, and
+leaves CPU and meta conversion as PyTorch does it."""
+import pytest
+import torch
+from torch import nn
+
+import torchtpu
+from torchtpu import module_conversion
+
+from conftest import assert_same
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output layer sharing one weight, as language
+    models tie them, plus a buffer and a frozen parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.mid.bias.requires_grad_(False)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, ids):
+        return self.head(self.mid(self.embed(ids)) * self.scale)
+
+
+def _check_tied(model, device, dtype=torch.float32):
+    assert model.head.weight is model.embed.weight
+    names = [name for name, _ in model.named_parameters()]
+    assert names == ["embed.weight", "mid.weight", "mid.bias"]
+    for p in model.parameters():
+        assert isinstance(p, nn.Parameter) and p.is_leaf
+        assert p.device.type == device and p.dtype == dtype
+    assert model.scale.device.type == device
+    assert model.embed.weight.requires_grad and not model.mid.bias.requires_grad
+
+
+@pytest.mark.parametrize("convert", [
+    lambda m: m.to("tpu"), lambda m: m.tpu(), lambda m: m.to(torchtpu.get_device()),
+    lambda m: m.to(device="tpu", dtype=torch.float32),
+], ids=["to_str", "tpu", "to_device", "to_device_dtype"])
+def test_to_tpu_keeps_ties_and_gradients_sum_both_uses(mode, convert):
+    cpu = TiedLM()
+    model = convert(TiedLM())
+    model.load_state_dict(cpu.state_dict())
+    _check_tied(model, "tpu")
+    ids = torch.tensor([[1, 2, 3], [3, 4, 1]])
+    cpu(ids).square().sum().backward()
+    model(ids.to("tpu")).square().sum().backward()
+    assert_same(model.embed.weight.grad, cpu.embed.weight.grad, atol=1e-5, rtol=1e-5)
+    assert_same(model.mid.weight.grad, cpu.mid.weight.grad, atol=1e-5, rtol=1e-5)
+    assert model.mid.bias.grad is None
+
+
+def test_to_tpu_values_and_existing_gradients():
+    cpu = TiedLM()
+    ids = torch.tensor([[1, 2, 3]])
+    cpu(ids).sum().backward()
+    model = TiedLM()
+    model.load_state_dict(cpu.state_dict())
+    model(ids).sum().backward()
+    model.to("tpu")
+    _check_tied(model, "tpu")
+    for (name, p), q in zip(model.named_parameters(), cpu.parameters()):
+        assert_same(p, q.detach(), rtol=0, atol=0)
+        if q.grad is not None:
+            assert_same(p.grad, q.grad, rtol=0, atol=0)
+    assert_same(model.scale, cpu.scale)
+
+
+def test_dtype_conversion_on_tpu_keeps_the_same_parameters():
+    # As on CUDA: a conversion that stays on the device changes each
+    # parameter in place, so optimizers and hooks holding them see it.
+    model = TiedLM().to("tpu")
+    before = list(model.parameters())
+    model.to(torch.float64)
+    _check_tied(model, "tpu", torch.float64)
+    assert all(a is b for a, b in zip(before, model.parameters()))
+    model.half()
+    _check_tied(model, "tpu", torch.float16)
+    assert all(a is b for a, b in zip(before, model.parameters()))
+
+
+def test_back_to_cpu_keeps_ties():
+    cpu = TiedLM()
+    model = TiedLM()
+    model.load_state_dict(cpu.state_dict())
+    model.to("tpu").to(torch.float64).to("cpu")
+    _check_tied(model, "cpu", torch.float64)
+    for p, q in zip(model.parameters(), cpu.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach().double(), rtol=0, atol=0)
+
+
+def test_to_empty_on_tpu_keeps_ties():
+    with torch.device("meta"):
+        model = TiedLM()
+    model.head.weight = model.embed.weight  # meta construction keeps the tie
+    model.to_empty(device="tpu")
+    _check_tied(model, "tpu")
+    model.to_empty(device=torchtpu.get_device())
+    _check_tied(model, "tpu")
+
+
+def test_shared_submodule_stays_shared():
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.ReLU(), shared).to("tpu")
+    assert model[0] is model[2]
+    assert len(list(model.parameters())) == 2
+    assert all(p.is_tpu for p in model.parameters())
+
+
+def test_tied_training_step_matches_cpu(mode):
+    torch.manual_seed(0)
+    cpu = TiedLM()
+    model = TiedLM()
+    model.load_state_dict(cpu.state_dict())
+    model.to("tpu")
+    ids = torch.tensor([[1, 2, 3], [3, 4, 1]])
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (cpu, model)]
+    for _ in range(2):
+        for m, opt, x in ((cpu, opts[0], ids), (model, opts[1], ids.to("tpu"))):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert model.head.weight is model.embed.weight
+    assert_same(model.embed.weight, cpu.embed.weight.detach(), atol=1e-5, rtol=1e-5)
+    assert_same(model.mid.weight, cpu.mid.weight.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("convert", [
+    lambda m: m.to(torch.float64), lambda m: m.to("meta"), lambda m: m.to_empty(device="cpu"),
+    lambda m: m.to_empty(device="meta"),
+], ids=["cpu_float64", "meta", "to_empty_cpu", "to_empty_meta"])
+def test_cpu_and_meta_conversion_as_pytorch_does_it(convert, monkeypatch):
+    """Conversions that involve no tpu tensor give what PyTorch's own
+    Module._apply gives: the same parameter objects kept or replaced, the
+    same ties kept or broken."""
+    def layout(model, before):
+        params = [model.embed.weight, model.mid.weight, model.mid.bias, model.head.weight]
+        return ([p is q for p, q in zip(params, before)], params[0] is params[3],
+                [(p.device, p.dtype) for p in params])
+
+    ours = TiedLM()
+    before = [ours.embed.weight, ours.mid.weight, ours.mid.bias, ours.head.weight]
+    got = layout(convert(ours), before)
+    monkeypatch.setattr(nn.Module, "_apply", module_conversion._module_apply)
+    theirs = TiedLM()
+    before = [theirs.embed.weight, theirs.mid.weight, theirs.mid.bias, theirs.head.weight]
+    assert got == layout(convert(theirs), before)

@@ -1,0 +1,65 @@
+"""Module conversion (`.to()`, `.tpu()`, `.cpu()`, `to_empty()`) keeps tied
+parameters tied when tpu tensors are involved.
+
+Module._apply changes a parameter in place (`param.data = new`) only when
+the new tensor has a compatible C++ tensor type; a tpu tensor is a Python
+subclass on another backend, so from or to tpu each module gets a new
+Parameter of its own, and one parameter shared by two modules becomes two.
+PyTorch cannot keep the same object either (its class and slots differ),
+so within one conversion each original Parameter becomes one new Parameter,
+put in every module that held the original.
+"""
+import torch
+from torch import nn
+
+from .tensor import TpuTensor
+
+_module_apply = nn.Module._apply
+
+
+class _ConvertOnce:
+    """The conversion function of one `_apply` call, tree-wide: a parameter
+    met again (in another module) is not converted again, and records which
+    new Parameter each converted parameter became."""
+    __slots__ = ("fn", "converted", "replaced")
+
+    def __init__(self, fn):
+        self.fn = fn
+        # id(original parameter) -> (original, its conversion); the original
+        # is held so that its id is not reused during the call.
+        self.converted = {}
+        self.replaced = {}
+
+    def __call__(self, t):
+        if not isinstance(t, nn.Parameter):
+            return self.fn(t)
+        seen = self.converted.get(id(t))
+        if seen is not None:
+            return seen[1]
+        out = self.fn(t)
+        if isinstance(t, TpuTensor) or isinstance(out, TpuTensor):
+            self.converted[id(t)] = (t, out)
+        return out
+
+
+def _apply(self, fn, recurse=True):
+    convert = fn if isinstance(fn, _ConvertOnce) else _ConvertOnce(fn)
+    before = list(self._parameters.items())
+    result = _module_apply(self, convert, recurse)
+    for key, old in before:
+        new = self._parameters.get(key)
+        if old is None or new is old or id(old) not in convert.converted:
+            continue
+        # The first module to hold this parameter made its new Parameter;
+        # every later holder takes that one.
+        first = convert.replaced.setdefault(id(old), new)
+        if first is not new:
+            self._parameters[key] = first
+    return result
+
+
+def install():
+    nn.Module._apply = _apply
+
+
+__all__ = ["install"]
