@@ -6,7 +6,7 @@ import warnings
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import runtime
+from . import properties, runtime
 from .ops import random as _random
 
 aten = torch.ops.aten
@@ -27,9 +27,7 @@ def _module():
         return 0
 
     def set_device(device):
-        index = torch.device(device).index if not isinstance(device, int) else device
-        if index not in (None, 0):
-            raise RuntimeError(f"tpu:{index} is not available; torchtpu drives one device (tpu:0)")
+        properties.check_index(properties.device_index(device, optional=True))
 
     def synchronize(device=None):
         from . import modes
@@ -54,6 +52,12 @@ def _module():
     mod.get_rng_state = _random.get_rng_state
     mod.set_rng_state = _random.set_rng_state
     mod.platform = runtime.PLATFORM
+    mod.device = properties.device
+    mod.device_of = properties.device_of
+    mod.get_device_name = properties.get_device_name
+    mod.get_device_properties = properties.get_device_properties
+    mod.get_device_capability = properties.get_device_capability
+    mod.is_bf16_supported = properties.is_bf16_supported
     return mod
 
 

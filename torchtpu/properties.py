@@ -1,0 +1,135 @@
+"""What torch.cuda tells about a device, for tpu: the device index rules,
+names, properties, capability, and the device context manager."""
+import os
+import re
+
+import torch
+
+from . import runtime
+
+
+def device_index(device, optional=False):
+    """The tpu device index that device (an int, a str, a torch.device, or
+    None when optional) names; -1 for None. A device of another type raises
+    ValueError, as torch.cuda's index helper does."""
+    if device is None:
+        if optional:
+            return -1
+        return 0
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "tpu":
+            raise ValueError(f"Expected a tpu device, but got: {device}")
+        return 0 if device.index is None else device.index
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+
+
+def check_index(index):
+    """Raise for a device index torchtpu cannot drive (it drives tpu:0)."""
+    if index not in (-1, 0):
+        raise RuntimeError(f"tpu:{index} is not available; torchtpu drives one device (tpu:0)")
+
+
+class device:
+    """Context manager that selects the tpu device (as torch.cuda.device).
+    A negative index or None makes it a no-op; torchtpu drives tpu:0 only,
+    so any other index raises at entry, as set_device does."""
+
+    def __init__(self, device):
+        self.idx = device_index(device, optional=True)
+        self.prev_idx = -1
+
+    def __enter__(self):
+        if self.idx >= 0:
+            check_index(self.idx)
+            self.prev_idx = 0
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class device_of(device):
+    """device() of a tensor's device; a no-op for a tensor not on tpu."""
+
+    def __init__(self, obj):
+        super().__init__(obj.get_device() if obj.device.type == "tpu" else -1)
+
+
+def _jax_device(d=None):
+    index = device_index(d, optional=True)
+    check_index(index)
+    return runtime.device(0)
+
+
+def platform_memory_stats(d=None):
+    """The platform's own memory statistics (TPU and GPU report them), or None."""
+    try:
+        return _jax_device(d).memory_stats() or None
+    except Exception:  # a platform without the call
+        return None
+
+
+def host_memory():
+    """(available, total) bytes of host memory: the CPU platform's memory."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def total_memory(d=None):
+    stats = platform_memory_stats(d)
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return host_memory()[1]
+
+
+def get_device_name(device=None):
+    """The platform's name of the device (e.g. 'TPU v5 lite'; 'cpu' on CPU)."""
+    return _jax_device(device).device_kind
+
+
+def get_device_capability(device=None):
+    """(major, minor): a GPU's compute capability, a TPU's generation (v4 ->
+    (4, 0)), (0, 0) on CPU."""
+    dev = _jax_device(device)
+    cc = getattr(dev, "compute_capability", None)
+    if cc:
+        major, _, minor = str(cc).partition(".")
+        return int(major), int(minor or 0)
+    m = re.search(r"v(\d+)", dev.device_kind) if dev.platform == "tpu" else None
+    return (int(m.group(1)), 0) if m else (0, 0)
+
+
+class _DeviceProperties:
+    """What torch.cuda.get_device_properties' readers touch."""
+
+    def __init__(self, dev, index):
+        self.name = dev.device_kind
+        self.platform = dev.platform
+        self.index = index
+        self.total_memory = total_memory(index)
+        self.major, self.minor = get_device_capability(index)
+        # Cores of the device: a TPU chip's TensorCores, a GPU's SMs, the host's CPUs.
+        self.multi_processor_count = int(getattr(dev, "num_cores", 0) or getattr(dev, "core_count", 0)
+                                         or os.cpu_count() or 1)
+        self.is_integrated = dev.platform == "cpu"
+        self.is_multi_gpu_board = False
+
+    def __repr__(self):
+        return (f"_TpuDeviceProperties(name='{self.name}', platform='{self.platform}', "
+                f"major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1024 * 1024)}MB, "
+                f"multi_processor_count={self.multi_processor_count})")
+
+
+def get_device_properties(device=None):
+    index = max(device_index(device, optional=True), 0)
+    return _DeviceProperties(_jax_device(index), index)
+
+
+def is_bf16_supported(including_emulation=True):
+    """XLA computes bfloat16 on every platform it drives."""
+    return True
