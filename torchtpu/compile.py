@@ -3,7 +3,7 @@
 TorchDynamo cannot put tpu tensors in its graphs: it traces tensor subclasses
 only through their inner tensors, and a TpuTensor's data is a JAX array. An op
 on a tpu tensor is therefore a graph break, and Dynamo runs it as written, in
-the current eager mode (fused mode fuses those ops as usual). Three things
+the current eager mode (fused mode fuses those ops as usual). Four things
 make that work:
 
 - Dynamo must not trace torchtpu's or JAX's own Python code (it would rewrite
@@ -11,19 +11,75 @@ make that work:
 - The `tpu` backend, `torch.compile(model, backend="tpu")`, runs the graphs
   Dynamo does capture through torchtpu's dispatcher, op by op in the current
   eager mode, whatever device their tensors are on.
-- Inductor, the default backend, cannot generate code for this device (its
-  `tpu` code generator is for another package's tensors). A graph that makes
-  tpu tensors (a factory with device="tpu" in the compiled code) fails with an
-  error saying so and naming the `tpu` backend, instead of a missing module.
+- Inductor, the default backend, cannot generate code for this device. A graph
+  that makes or takes tpu tensors (a factory with device="tpu" in the compiled
+  code, as transformer models have for positions and masks) given to
+  `torch.compile`'s Inductor goes to the `tpu` backend instead, with one
+  warning per process; every other graph is Inductor's as before.
+- Any other way into Inductor's code generation for the device (its own `tpu`
+  code generator is for another package's tensors) fails with an error
+  naming the `tpu` backend, instead of a missing module.
 """
-import torch
+import sys
+import warnings
 
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import is_internal
 from .tensor import DEVICE
+
+_routing_warned = False
 
 
 def tpu_backend(gm, example_inputs):
     """Dynamo backend: the captured graph, run as eager code."""
     return gm.forward
+
+
+def _on_device(value):
+    return isinstance(value, torch.Tensor) and value.device.type == DEVICE.type
+
+
+def graph_uses_device(gm, example_inputs):
+    """Whether a Dynamo graph takes or makes tensors on the device: an input,
+    or any node's example value (Dynamo's fake tensor for it)."""
+    if any(_on_device(x) for x in example_inputs):
+        return True
+    return any(_on_device(value)
+               for node in gm.graph.nodes
+               for value in pytree.tree_leaves(node.meta.get("example_value")))
+
+
+def _user_stacklevel():
+    """warnings.warn's stacklevel, for its caller, of the innermost frame
+    outside torch and torchtpu: the code Dynamo is compiling."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _routing_inductor_call(inductor_call):
+    """torch.compile's Inductor entry, sending graphs on the device to the
+    `tpu` backend."""
+
+    def call(self, model_, inputs_, **kwargs):
+        if not graph_uses_device(model_, inputs_):
+            return inductor_call(self, model_, inputs_, **kwargs)
+        global _routing_warned
+        if not _routing_warned:
+            _routing_warned = True
+            warnings.warn(
+                f"torchtpu: Inductor (torch.compile's default backend) cannot generate code for "
+                f"{DEVICE.type} tensors; graphs that make or take them run through "
+                f"torchtpu in the current eager mode instead, as with "
+                f"torch.compile(..., backend=\"{DEVICE.type}\"), which says so explicitly",
+                stacklevel=_user_stacklevel())
+        return tpu_backend(model_, inputs_)
+
+    call.__wrapped__ = inductor_call
+    return call
 
 
 class _NoInductorCode:
@@ -50,6 +106,11 @@ def register():
     for package in ("torchtpu", "jax", "jaxlib"):
         trace_rules.add(package)
     torch._dynamo.register_backend(tpu_backend, name=DEVICE.type)
+    # torch.compile(model) and backend="inductor" call Inductor through this
+    # wrapper's __call__ (compile_fx itself is imported only then: costly).
+    wrapper = torch._TorchCompileInductorWrapper
+    if not hasattr(wrapper.__call__, "__wrapped__"):
+        wrapper.__call__ = _routing_inductor_call(wrapper.__call__)
     from torch._inductor.codegen import common
     # Before Inductor registers its own code generator for the device name.
     common.register_backend_for_device(DEVICE.type, _NoInductorCode, _NoInductorCode)
