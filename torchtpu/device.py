@@ -17,6 +17,14 @@ def get_device(index=0):
     return torch.device("tpu", index)
 
 
+def synchronize(device=None):
+    """Wait for all issued work: ops, and uploads from pinned memory."""
+    from . import modes
+    properties.check_index(properties.device_index(device, optional=True))
+    runtime.wait_transfers()
+    modes.sync()
+
+
 def _module():
     mod = types.ModuleType("torch.tpu", "The tpu device module (torchtpu).")
 
@@ -29,9 +37,6 @@ def _module():
     def set_device(device):
         properties.check_index(properties.device_index(device, optional=True))
 
-    def synchronize(device=None):
-        from . import modes
-        modes.sync()
 
     def get_amp_supported_dtype():
         return [torch.bfloat16, torch.float16]
@@ -169,8 +174,10 @@ def register_kernels():
     from .ops.nn import scaled_dot_product_attention
     # At the autograd key, ahead of PyTorch's composite (torchtpu.ops.nn).
     _lib.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
+    from . import pinned
+    pinned.register(_lib)
     from .dispatch import OUT_VIA_FUNCTIONAL, _copy_, dispatch
-    _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
+    _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src, non_blocking), "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")
     for op in OUT_VIA_FUNCTIONAL:
         # A backend kernel takes the place of the composite one, so these ops

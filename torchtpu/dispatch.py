@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import torch
 from torch._decomp import decomposition_table
 
-from . import advisor, cache, errors, metrics, modes, runtime
+from . import advisor, cache, errors, metrics, modes, pinned, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
 from .ops.indexing import is_mask
@@ -816,9 +816,10 @@ def cpu_fallback(plan, args, kwargs):
 
 # ---- host <-> device -------------------------------------------------------
 
-def to_tpu(t):
-    """A CPU tensor -> a new TpuTensor holding a copy."""
-    arr = runtime.to_device(t)
+def to_tpu(t, non_blocking=False):
+    """A CPU tensor -> a new TpuTensor holding a copy; non_blocking (from a
+    pinned tensor) starts the transfer and returns (runtime.to_device)."""
+    arr = runtime.to_device(t, non_blocking=non_blocking)
     return TpuTensor(Storage(arr), tuple(t.shape), t.dtype)
 
 
@@ -840,6 +841,7 @@ def device_array(t):
 def download(t):
     """A TpuTensor -> a new CPU tensor with its values."""
     metrics.M.syncs += 1
+    runtime.wait_transfers()  # a sync point: pinned sources are free again after it
     if advisor.ON:
         return advisor.sync_point(lambda: runtime.to_host(device_array(t), t.dtype))
     return runtime.to_host(device_array(t), t.dtype)
@@ -859,7 +861,9 @@ def _copy_(dst, src, non_blocking=False):
         if not isinstance(src, torch.Tensor):
             raise TypeError(f"copy_(): argument 'src' must be Tensor, not {type(src).__name__}")
         torch.empty(dst.shape, dtype=dst.dtype, device="meta").copy_(src.to("meta"))
-        src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous())
+        # From pinned memory, non_blocking starts the transfer and returns.
+        non_blocking = non_blocking and pinned.is_pinned(src)
+        src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous(), non_blocking)
     elif not isinstance(dst, TpuTensor):
         # dst on CPU, src on tpu
         dst.copy_(download(src))
@@ -873,7 +877,11 @@ def _local_scalar_dense(x):
 
 
 def _copy_from(src, dst, non_blocking=False):
-    return _copy_(dst, src)
+    return _copy_(dst, src, non_blocking)
+
+
+def _pin_memory(x, device=None):
+    raise RuntimeError(f"cannot pin '{x.type()}' only dense CPU tensors can be pinned")
 
 
 SPECIAL = {
@@ -900,6 +908,9 @@ def _to_copy_handler(x, **kwargs):
 
 
 SPECIAL[aten._to_copy.default] = _to_copy_handler
+# Device memory is never pinned host memory.
+SPECIAL[aten.is_pinned.default] = lambda x, device=None: False
+SPECIAL[aten._pin_memory.default] = _pin_memory
 
 
 def _unsafe_view(x, size):

@@ -95,9 +95,31 @@ def fit_to(x, dtype):
     return jax.lax.complex(round_to(jnp.real(x), jnp.float16), round_to(jnp.imag(x), jnp.float16))
 
 
-def to_device(t: torch.Tensor, dev=None):
-    """A CPU torch tensor -> a JAX array on the device (always a copy: the
-    CPU tensor stays the user's to mutate)."""
+# Arrays of asynchronous uploads from pinned memory not yet seen complete:
+# their sources must not change until then.
+_in_flight = []
+
+
+def wait_transfers():
+    """Wait for the asynchronous uploads issued so far (a sync point's duty:
+    after it, the user may write the pinned buffers they came from)."""
+    if _in_flight:
+        jax.block_until_ready(_in_flight)
+        _in_flight.clear()
+
+
+def _note_in_flight(arr):
+    _in_flight.append(arr)
+    if len(_in_flight) > 64:
+        _in_flight[:] = [a for a in _in_flight if not a.is_ready()]
+
+
+def to_device(t: torch.Tensor, dev=None, non_blocking=False):
+    """A CPU torch tensor -> a JAX array on the device. A blocking copy takes
+    a host copy first, so the CPU tensor is the user's to mutate at once. A
+    non_blocking one hands t's memory itself to the asynchronous transfer
+    (JAX holds it until the transfer is done): t must stay unchanged until
+    the next sync point (wait_transfers), as CUDA asks of pinned sources."""
     t = t.detach()
     if t.dtype == torch.complex32:
         t = t.to(torch.complex64)  # numpy has no complex32
@@ -111,7 +133,11 @@ def to_device(t: torch.Tensor, dev=None):
         host = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     else:
         host = t.numpy()
-    return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
+    if not non_blocking:
+        return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
+    arr = jax.device_put(host, dev or DEVICES[0])
+    _note_in_flight(arr)
+    return arr
 
 
 def to_host(arr, dtype=None) -> torch.Tensor:
