@@ -51,3 +51,184 @@ def test_device_name_and_properties():
     with pytest.raises(RuntimeError):
         torch.tpu.get_device_properties(2)
     assert torch.tpu.is_bf16_supported() is True
+
+
+# ---- memory ----------------------------------------------------------------
+
+def test_memory_allocated_counts_live_tensors(mode):
+    torch.tpu.reset_peak_memory_stats()
+    before = torch.tpu.memory_allocated()
+    x = torch.ones(1 << 18, device="tpu")  # 1 MiB
+    y = x * 2
+    nbytes = x.numel() * x.element_size()
+    during = torch.tpu.memory_allocated()
+    assert during >= before + 2 * nbytes
+    assert torch.tpu.memory_reserved() >= during
+    assert torch.tpu.max_memory_allocated() >= during
+    stats = torch.tpu.memory_stats()
+    assert stats["allocated_bytes.all.current"] == during
+    assert stats["allocated_bytes.all.peak"] >= during
+    assert stats["reserved_bytes.all.current"] >= during
+    assert stats["allocation.all.current"] >= 2
+    del x, y
+    gc.collect()
+    after = torch.tpu.memory_allocated()
+    assert after <= during - 2 * nbytes
+    # The peak stays until reset, then is the current figure.
+    assert torch.tpu.max_memory_allocated() >= during
+    assert torch.tpu.max_memory_reserved() >= during
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() == torch.tpu.memory_allocated() == after
+    torch.tpu.reset_max_memory_allocated()
+    assert torch.tpu.max_memory_allocated() == after
+
+
+def test_peak_seen_at_synchronize(mode):
+    torch.tpu.reset_peak_memory_stats()
+    base = torch.tpu.memory_allocated()
+    x = torch.zeros(1 << 18, device="tpu") + 1
+    torch.tpu.synchronize()
+    del x
+    gc.collect()
+    assert torch.tpu.max_memory_allocated() >= base + (1 << 20)
+    assert torch.tpu.memory_allocated() == base
+
+
+def test_memory_summary_info_and_device_checks():
+    keep = torch.ones(1 << 16, device="tpu")
+    text = torch.tpu.memory_summary()
+    assert "Allocated memory" in text and "Reserved memory" in text
+    free, total = torch.tpu.mem_get_info()
+    assert 0 <= free <= total
+    assert total == torch.tpu.get_device_properties().total_memory
+    torch.tpu.empty_cache()
+    torch.tpu.reset_accumulated_memory_stats()
+    assert torch.tpu.memory_allocated(0) == torch.tpu.memory_allocated("tpu:0") >= keep.nbytes
+    with pytest.raises(RuntimeError, match="tpu:1 is not available"):
+        torch.tpu.memory_allocated(1)
+    with pytest.raises(ValueError):
+        torch.tpu.memory_stats("cpu")
+
+
+# ---- streams ---------------------------------------------------------------
+
+def test_streams_api():
+    default = torch.tpu.default_stream()
+    assert torch.tpu.current_stream() == default
+    s = torch.tpu.Stream()
+    assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0)
+    assert s != default
+    with torch.tpu.stream(s) as entered:
+        assert entered is s and torch.tpu.current_stream() == s
+        inner = torch.tpu.Stream()
+        with inner:  # a stream is its own context manager too
+            assert torch.tpu.current_stream() == inner
+        assert torch.tpu.current_stream() == s
+        x = torch.randn(8, 8)
+        y = x.to("tpu") @ x.to("tpu")
+    assert torch.tpu.current_stream() == default
+    with torch.tpu.stream(None):  # no-op, as on CUDA
+        assert torch.tpu.current_stream() == default
+    default.wait_stream(s)
+    ev = s.record_event()
+    default.wait_event(ev)
+    s.synchronize()
+    assert s.query() and default.query() and ev.query()
+    torch.testing.assert_close(y.cpu(), x @ x)
+    with pytest.raises(RuntimeError):
+        torch.tpu.Stream("tpu:1")
+
+
+def test_torch_stream_of_the_device():
+    s = torch.Stream("tpu")
+    assert type(s) is torch.tpu.Stream and isinstance(s, torch.Stream)
+    assert type(torch.Stream()) is torch.tpu.Stream  # the current accelerator
+    s.synchronize()
+    assert s.query()
+    cpu = torch.Stream("cpu")
+    assert type(cpu) is not torch.tpu.Stream and isinstance(cpu, torch.Stream)
+
+
+def test_stream_synchronize_waits_for_work(mode):
+    a = torch.randn(64, 64)
+    x = a.to("tpu")
+    for _ in range(5):
+        x = x @ x.T / 64
+    torch.tpu.current_stream().synchronize()
+    arr = x._storage.array
+    assert arr.is_ready()
+    expect = a
+    for _ in range(5):
+        expect = expect @ expect.T / 64
+    torch.testing.assert_close(x.cpu(), expect, rtol=1e-4, atol=1e-5)
+
+
+# ---- events ------------------------------------------------------------------
+
+def _timed(make_event, n_matmuls):
+    a = torch.randn(256, 256, device="tpu")
+    start, end = make_event(), make_event()
+    start.record()
+    b = a
+    for _ in range(n_matmuls):
+        b = b @ a / 256
+    end.record()
+    end.synchronize()
+    assert start.query() and end.query()
+    return start.elapsed_time(end), b, a
+
+
+@pytest.mark.parametrize("make_event", [lambda: torch.tpu.Event(enable_timing=True),
+                                        lambda: torch.Event("tpu", enable_timing=True),
+                                        lambda: torch.Event(enable_timing=True)],
+                         ids=["torch.tpu.Event", "torch.Event(tpu)", "torch.Event()"])
+def test_event_times_device_work(make_event):
+    for mode in ("strict", "fused"):
+        with torchtpu.eager_mode(mode):
+            empty, _, _ = _timed(make_event, 0)
+            busy, b, a = _timed(make_event, 30)
+            assert 0 <= empty < busy, (mode, empty, busy)
+            expect = a.cpu()
+            for _ in range(30):
+                expect = expect @ a.cpu() / 256
+            torch.testing.assert_close(b.cpu(), expect, rtol=1e-4, atol=1e-5)
+
+
+def test_event_api_semantics(mode):
+    e = torch.tpu.Event(enable_timing=True)
+    assert isinstance(e, torch.Event) and e.device == torch.device("tpu")
+    assert e.query()  # never recorded: nothing to wait for, as on CUDA
+    e.synchronize()
+    other = torch.tpu.Event(enable_timing=True)
+    with pytest.raises(RuntimeError, match="must be recorded"):
+        e.elapsed_time(other)
+    x = torch.randn(32, 32, device="tpu")
+    e.record()
+    y = (x @ x).sum()
+    other.record(torch.tpu.current_stream())
+    other.wait()
+    other.synchronize()
+    assert e.elapsed_time(other) >= 0
+    untimed = torch.tpu.Event()
+    untimed.record()
+    untimed.synchronize()
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        e.elapsed_time(untimed)
+    e.record()  # an event records again
+    e.synchronize()
+    assert other.elapsed_time(e) >= 0
+    torch.testing.assert_close(y.cpu(), (x.cpu() @ x.cpu()).sum(), rtol=1e-4, atol=1e-4)
+    assert type(torch.Event("cpu")) is not torch.tpu.Event
+
+
+def test_event_record_is_a_flush_boundary_in_fused_mode():
+    from torchtpu.modes.fused import STATS
+    from torchtpu.tensor import Pending
+    with torchtpu.eager_mode("fused"):
+        x = torch.randn(16, device="tpu")
+        y = x * 2 + 1
+        before = STATS.flushes["event"]
+        torch.tpu.Event().record()
+        assert STATS.flushes["event"] == before + 1
+        assert type(y._storage.array) is not Pending  # issued, not recorded
+        torch.testing.assert_close(y.cpu(), x.cpu() * 2 + 1)

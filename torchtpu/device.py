@@ -6,7 +6,7 @@ import warnings
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import properties, runtime
+from . import memory, properties, runtime, streams
 from .ops import random as _random
 
 aten = torch.ops.aten
@@ -23,6 +23,7 @@ def synchronize(device=None):
     properties.check_index(properties.device_index(device, optional=True))
     runtime.wait_transfers()
     modes.sync()
+    memory.sample(settle=False)  # the peak as of this point (memory.py)
 
 
 def _module():
@@ -63,6 +64,10 @@ def _module():
     mod.get_device_properties = properties.get_device_properties
     mod.get_device_capability = properties.get_device_capability
     mod.is_bf16_supported = properties.is_bf16_supported
+    for name in memory.NAMES:
+        setattr(mod, name, getattr(memory, name))
+    for name in streams.NAMES:
+        setattr(mod, name, getattr(streams, name))
     return mod
 
 
@@ -136,6 +141,7 @@ _lib = None
 def register_device():
     """Name PrivateUse1 'tpu' and install torch.tpu (before any tensor exists)."""
     _setup_privateuseone_for_python_backend("tpu", _module(), _Hooks(), _Guard())
+    streams.install()
 
 
 def _optimizers_default_to_foreach():

@@ -1,0 +1,152 @@
+"""torch.tpu's memory statistics, as torch.cuda reports them.
+
+The figures come from the platform's own statistics where it keeps them
+(TPU and GPU: jax.Device.memory_stats()), else from torchtpu's count of
+the live arrays on the device (the CPU platform reports none). That count
+is taken when asked, so no op pays for it; the peak is the highest figure
+seen at a memory query, torch.tpu.synchronize() or an event's record, not
+a high-water mark between them. A query is a sync point: it waits for the
+issued work (fused mode: runs the pending ops), so that the figures count
+exactly the tensors alive.
+"""
+import collections
+
+import jax
+
+from . import properties, runtime
+
+# The peak since the last reset, as this module has seen it, and the
+# platform's own peak at that reset (its peak cannot be reset).
+_peak = {"allocated": 0, "reserved": 0, "platform_peak_at_reset": None}
+
+
+def _settle():
+    """Wait for issued work: the executor holds the last op's results until
+    then (strict mode), and fused mode's pending tensors have no memory yet.
+    (modes is imported here: its executors need the device registered first.)"""
+    from . import modes
+    runtime.wait_transfers()
+    modes.note_sync("memory_stats")
+    modes.sync()
+
+
+def _live_arrays():
+    dev = runtime.device(0)
+    return [a for a in jax.live_arrays() if not a.is_deleted() and dev in a.devices()]
+
+
+def _figures(device=None, settle=True):
+    """(allocated bytes, reserved bytes, live allocations, platform peak or None)."""
+    properties.check_index(properties.device_index(device, optional=True))
+    if settle:
+        _settle()
+    stats = properties.platform_memory_stats()
+    if stats and "bytes_in_use" in stats:
+        allocated = int(stats["bytes_in_use"])
+        reserved = int(stats.get("pool_bytes") or stats.get("bytes_reserved") or allocated)
+        count = int(stats.get("num_allocs", 0))
+        return allocated, max(reserved, allocated), count, stats.get("peak_bytes_in_use")
+    arrays = _live_arrays()
+    allocated = sum(a.nbytes for a in arrays)
+    return allocated, allocated, len(arrays), None
+
+
+def sample(device=None, settle=True):
+    """Take the current figures, raising the peaks to them; settle: wait for
+    the issued work first (a sync point)."""
+    allocated, reserved, count, platform_peak = _figures(device, settle)
+    p = _peak
+    p["allocated"] = max(p["allocated"], allocated)
+    if platform_peak is not None and (p["platform_peak_at_reset"] is None
+                                      or platform_peak > p["platform_peak_at_reset"]):
+        # The platform saw a new peak since the reset: its figure is exact.
+        p["allocated"] = max(p["allocated"], int(platform_peak))
+    p["reserved"] = max(p["reserved"], reserved, p["allocated"])
+    return allocated, reserved, count
+
+
+def memory_allocated(device=None):
+    return sample(device)[0]
+
+
+def max_memory_allocated(device=None):
+    sample(device)
+    return _peak["allocated"]
+
+
+def memory_reserved(device=None):
+    return sample(device)[1]
+
+
+def max_memory_reserved(device=None):
+    sample(device)
+    return _peak["reserved"]
+
+
+def reset_peak_memory_stats(device=None):
+    allocated, reserved, _, platform_peak = _figures(device)
+    _peak.update(allocated=allocated, reserved=reserved,
+                 platform_peak_at_reset=None if platform_peak is None else int(platform_peak))
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+reset_max_memory_cached = reset_peak_memory_stats
+
+
+def reset_accumulated_memory_stats(device=None):
+    """No accumulated counters are kept (only current and peak figures)."""
+    properties.check_index(properties.device_index(device, optional=True))
+
+
+def memory_stats(device=None):
+    """The figures under torch.cuda.memory_stats' key names."""
+    allocated, reserved, count = sample(device)
+    stats = collections.OrderedDict()
+    for name, current, peak in (("allocated_bytes", allocated, _peak["allocated"]),
+                                ("active_bytes", allocated, _peak["allocated"]),
+                                ("reserved_bytes", reserved, _peak["reserved"]),
+                                ("allocation", count, None)):
+        stats[f"{name}.all.current"] = current
+        if peak is not None:
+            stats[f"{name}.all.peak"] = peak
+    stats["num_alloc_retries"] = 0
+    stats["num_ooms"] = 0
+    return stats
+
+
+def memory_summary(device=None, abbreviated=False):
+    stats = memory_stats(device)
+    source = "platform statistics" if properties.platform_memory_stats() else "live arrays"
+
+    def mib(n):
+        return f"{n / 2**20:12.2f} MiB"
+    rows = [("Allocated memory", "allocated_bytes"), ("Active memory", "active_bytes"),
+            ("Reserved memory", "reserved_bytes")]
+    lines = [f"torch.tpu memory summary, device tpu:0 ({runtime.PLATFORM}, from {source})",
+             f"{'':24}{'current':>16}{'peak':>16}"]
+    for label, key in rows:
+        lines.append(f"{label:24}{mib(stats[key + '.all.current']):>16}"
+                     f"{mib(stats[key + '.all.peak']):>16}")
+    lines.append(f"{'Allocations':24}{stats['allocation.all.current']:>16}")
+    return "\n".join(lines) + "\n"
+
+
+def mem_get_info(device=None):
+    """(free, total) bytes of the device memory."""
+    properties.check_index(properties.device_index(device, optional=True))
+    stats = properties.platform_memory_stats()
+    if stats and stats.get("bytes_limit"):
+        total = int(stats["bytes_limit"])
+        return total - int(stats.get("bytes_in_use", 0)), total
+    return properties.host_memory()
+
+
+def empty_cache():
+    """Nothing to release: XLA frees an array's memory when its last tensor
+    goes, and torchtpu keeps no cache of freed blocks."""
+
+
+NAMES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+         "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+         "reset_accumulated_memory_stats", "memory_stats", "memory_summary", "mem_get_info",
+         "empty_cache")
