@@ -23,8 +23,9 @@ if _dist.is_available():
     from . import distributed as _distributed
     _distributed.register()
 
-from .device import get_device  # noqa: E402
-from .modes import eager_mode, get_eager_mode, set_eager_mode, sync  # noqa: E402
+# sync: all issued work, uploads from pinned memory included (device.synchronize).
+from .device import get_device, synchronize as sync  # noqa: E402
+from .modes import eager_mode, get_eager_mode, set_eager_mode  # noqa: E402
 from .tensor import TpuTensor  # noqa: E402
 # `%load_ext torchtpu` in IPython: the %tpu_mode and %tpu_metrics magics.
 from .ipython import load_ipython_extension  # noqa: E402,F401
