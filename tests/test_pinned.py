@@ -79,7 +79,9 @@ def test_non_blocking_copy_is_asynchronous_and_exact(mode):
     z = torch.zeros(2, 64, 32, device="tpu")
     z[1].copy_(pinned, non_blocking=True)
     w = (z * 2).sum(0)
-    torchtpu.sync()
+    torchtpu.sync()  # waits for the uploads too
+    assert not runtime._in_flight
+    pinned.fill_(-1.0)
     assert_same(y, src.double())
     assert_same(w, src * 2)
 

@@ -23,7 +23,6 @@ def synchronize(device=None):
     properties.check_index(properties.device_index(device, optional=True))
     runtime.wait_transfers()
     modes.sync()
-    memory.sample(settle=False)  # the peak as of this point (memory.py)
 
 
 def _module():
