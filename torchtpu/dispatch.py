@@ -12,13 +12,14 @@ The one place for view and mutation rules:
 import functools
 import itertools
 import math
+import sys
 import warnings
 
 import jax.numpy as jnp
 import torch
 from torch._decomp import decomposition_table
 
-from . import advisor, cache, errors, metrics, modes, pinned, runtime
+from . import advisor, bounds, cache, errors, metrics, modes, pinned, runtime
 from .ops import LOWERINGS, ctx
 from .ops import random as rng
 from .ops.indexing import is_mask
@@ -170,10 +171,12 @@ class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
     __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
-                 "stable_key")
+                 "stable_key", "bound")
 
-    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None):
+    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None):
         self.name = name
+        # The errors.Bound whose flag fn returns as its last output (torchtpu.bounds).
+        self.bound = bound
         # The kernel described the same way in every process (fused mode's
         # stored programs), or None.
         self.stable_key = stable_key
@@ -325,6 +328,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
     written_slots = sorted({s[1] for s in _flat_written(written)})
 
     kernel = None
+    bound = bounds.kernel_bound(plan)
 
     def fn(*flat):
         arrays = list(flat[:n_storages])
@@ -337,6 +341,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
             kwargs["key"] = rng.key_from(next(scalars), next(scalars))
         ctx.out = out_meta[0] if out_meta is not None else None
         ctx.contiguous = [_spec_contiguous(s) for s in pos_specs]
+        flag = bounds.device_flag(bound, args, kwargs) if bound is not None else None
         result = lowering(*args, **kwargs)
         leaves = []
         template = _flatten(result, leaves)
@@ -356,12 +361,17 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
                     value = runtime.fit_to(value.astype(arrays[slot].dtype), dtype)
                 arrays[slot] = write_view(arrays[slot], view, value)
             kernel.out_tree = template
+            if flag is not None:
+                leaves.append(flag)
             return tuple(leaves), tuple(arrays[s] for s in written_slots)
         kernel.out_tree = template
+        if flag is not None:
+            leaves.append(flag)
         return tuple(leaves), ()
 
-    stable = repr((plan.name, pos_specs, kw_specs, out_dtypes))
-    kernel = Kernel(plan.name, fn, out_dtypes, written_slots, None if " at 0x" in stable else stable)
+    stable = repr((plan.name, pos_specs, kw_specs, out_dtypes)) + (" checked" if bound else "")
+    kernel = Kernel(plan.name, fn, out_dtypes, written_slots, None if " at 0x" in stable else stable,
+                    bound)
     return kernel
 
 
@@ -432,6 +442,8 @@ def dispatch(func, args, kwargs):
         return plan.handler(plan, args, kwargs)
     except Exception as e:
         lost = _lost_argument(args, kwargs)
+        if lost is not None and _overwrite_lost(func, args):
+            return dispatch(func, args, kwargs)
         if lost is not None and lost.error is not e:
             # An input's op failed earlier: that error, not this op's.
             e = lost.exception()
@@ -446,6 +458,24 @@ def dispatch(func, args, kwargs):
                 return results
             errors.report_unrecoverable(err, func)
         raise err
+
+
+# Ops whose result does not depend on the old value of the tensor they write.
+_OVERWRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
+
+
+def _overwrite_lost(func, args):
+    """Whether func writes all of a lost tensor (load_state_dict's copy_ into
+    parameters lost in a failed step) and reads no other lost value: then
+    the storage is given zeros to write over, and the call is run again."""
+    if func not in _OVERWRITES or type(args[0]) is not TpuTensor or args[0]._view is not None:
+        return False
+    storage = args[0]._storage
+    old = storage.array
+    if type(old) is not Lost or _lost_argument(args[1:], {}) is not None:
+        return False
+    storage.assign(jnp.zeros(old.shape, old.dtype))
+    return True
 
 
 def _lost_argument(args, kwargs):
@@ -562,11 +592,42 @@ def _run_lowered(plan, args, kwargs):
         outs, new_storages = errors.checked_run(ex, plan, kernel, flat, storages, args, kwargs)
     else:
         outs, new_storages = ex.run(kernel, flat, storages)
+    if kernel.bound is not None or bounds.tainted:
+        return _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs)
+    if plan.kind != "mutate" and kernel.out_tree is ... and orders is None and out_tdtypes is not None:
+        # The common case, one plain result, without the general wrapping.
+        o = outs[0]
+        return whole_tensor(Storage(o), o.shape, out_tdtypes[0])
+    return _results(plan, entry, outs, new_storages, storages, args, kwargs)
+
+
+def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
+    """The rest of _run_lowered for an op with an index-bounds flag, or while
+    flags are unread (torchtpu.bounds tracks what depends on them)."""
+    kernel = entry[0]
+    flag = None
+    if kernel.bound is not None:
+        flag, outs = outs[-1], outs[:-1]
+    result = _results(plan, entry, outs, new_storages, storages, args, kwargs)
+    leaves = []
+    _flatten(result, leaves)
+    produced = [storages[slot] for slot in kernel.written_slots]
+    produced += [t._storage for t in leaves if type(t) is TpuTensor]
+    if flag is None:
+        bounds.propagate(storages, produced)
+    elif ex.name != "debug":  # debug mode checked on the host before the op ran
+        bounds.note(kernel.bound, plan.func, flag, storages, produced,
+                    errors.user_line(sys._getframe(1)))
+    return result
+
+
+def _results(plan, entry, outs, new_storages, storages, args, kwargs):
+    """An op's results as tensors, its written arguments updated."""
+    kernel, out_meta, out_tdtypes, orders = entry
     if plan.kind == "mutate":
         for slot, arr in zip(kernel.written_slots, new_storages):
             storages[slot].assign(arr)
     elif kernel.out_tree is ... and orders is None and out_tdtypes is not None:
-        # The common case, one plain result, without the general wrapping.
         o = outs[0]
         return whole_tensor(Storage(o), o.shape, out_tdtypes[0])
     if orders is not None:
@@ -791,6 +852,7 @@ def cpu_fallback(plan, args, kwargs):
     tensorish = plan.tensorish
     cargs = [to_cpu(a, tensorish.get(i) is _INDICES) for i, a in enumerate(args)]
     ckwargs = {k: to_cpu(v, tensorish.get(k) is _INDICES) for k, v in kwargs.items()}
+    errors.check_bounds(plan.func, cargs, ckwargs, plan.functional)  # CPU's check, naming the op
     with _cpu_kernels_in_full():
         out = plan.func(*cargs, **ckwargs)
     written = set(plan.written)

@@ -14,8 +14,10 @@ dispatcher are marked `__tracebackhide__` (pytest and IPython hide them), and
 an uncaught one is printed (sys.excepthook) ending at the user's line.
 TORCHTPU_FULL_TRACEBACK=1 keeps everything.
 
-Debug-mode checks live here too: index bounds (JAX clamps out-of-range
-indices silently; PyTorch raises) and the NaN/Inf checks' op/line reports.
+Checks live here too: which arguments of which ops are indices and how an
+out-of-range one is reported (JAX clamps them silently; PyTorch raises;
+torchtpu.bounds defers the device-side check to sync points), and the
+NaN/Inf checks' op/line reports.
 """
 import os
 import sys
@@ -293,26 +295,176 @@ def install_ipython_handler(shell=None):
         shell.set_custom_exc((Exception,), _ipython_handler)
 
 
-# ---- debug-mode index bounds -----------------------------------------------
+# ---- index bounds ------------------------------------------------------------
+# JAX clamps out-of-range gathers and drops out-of-range scatters; PyTorch
+# raises. BOUNDS says, per op, which arguments index what: its spec lists one
+# (index, dim, size, negative_ok[, allowed]) per index argument, reading only
+# shapes and static arguments, so it serves torch tensors (the host check:
+# debug mode, the CPU fallback) and JAX arrays (the flag each indexing kernel
+# computes on device in strict and fused mode, torchtpu.bounds) alike.
+# `allowed` is a value let through anyway (nll_loss's ignore_index).
 
-def _index_message(value, dim, size):
+class Bound:
+    """One op's index arguments (spec), the exception type CPU raises for an
+    out-of-range one, and how its message reads."""
+    __slots__ = ("spec", "exc", "message")
+
+    def __init__(self, spec, exc, message):
+        self.spec, self.exc, self.message = spec, exc, message
+
+
+def _index_message(value, dim, size, position=0):
     return f"index {value} is out of bounds for dimension {dim} with size {size}"
 
 
-def check_index(index, dim, size, allow_negative=True, exc=IndexError, what=None):
-    """Raise exc (PyTorch's wording) if a tpu/CPU index tensor holds a value
-    out of range for a dimension of the given size. Syncs: debug mode only."""
-    if not isinstance(index, torch.Tensor) or index.dtype in (torch.bool, torch.uint8):
+def _take_message(value, dim, size, position=0):
+    return f"out of range: tried to access index {value} on a tensor of {size} elements."
+
+
+def _bag_message(value, dim, size, position=0):
+    return f"Index {position} of input takes value {value} which is not in the valid range [0, {size})"
+
+
+def _target_message(value, dim, size, position=0):
+    return f"Target {value} is out of bounds."
+
+
+def op_name(func):
+    """'aten.embedding' for aten.embedding.default, else the overload's name."""
+    name = str(func)
+    return name[:-len(".default")] if name.endswith(".default") else name
+
+
+def out_of_range(bound, func, line, value, dim, size, position):
+    """The exception for an out-of-range index of func issued at line."""
+    what = bound.message(value, dim, size, position)
+    return bound.exc(f"torchtpu: {what} ({op_name(func)} at {line})")
+
+
+def _is_mask(t):
+    return t.dtype in (torch.bool, torch.uint8, jax.numpy.bool_, jax.numpy.uint8)
+
+
+def _dim(d, ndim):
+    return d % ndim if ndim else 0
+
+
+def _numel(x):
+    n = 1
+    for s in x.shape:
+        n *= s
+    return n
+
+
+def _spec_indices(x, indices, *rest, **kw):
+    # Advanced indexing: each index tensor addresses the next dim of x; a
+    # None (a full slice) skips one, a mask as many as it has.
+    out, d = [], 0
+    for idx in indices:
+        if idx is None:
+            d += 1
+        elif _is_mask(idx):
+            d += idx.ndim
+        else:
+            if d < x.ndim:
+                out.append((idx, d, x.shape[d], True))
+            d += 1
+    return out
+
+
+def _spec_dim(negative_ok):
+    def spec(x, dim, index, *rest, **kw):
+        d = _dim(dim, x.ndim)
+        return [(index, d, x.shape[d] if x.ndim else 1, negative_ok)]
+    return spec
+
+
+def _spec_embedding(weight, indices, *rest, **kw):
+    return [(indices, 0, weight.shape[0], False)]
+
+
+def _spec_flat(x, index, *rest, **kw):
+    return [(index, -1, _numel(x), True)]
+
+
+def _spec_weight_rows(grad, indices, num_weights, *rest, **kw):
+    return [(indices, 0, num_weights, False)]
+
+
+def _spec_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                       num_weights, *rest, **kw):
+    return [(indices, 0, num_weights, False)]
+
+
+def _spec_target(x, target, weight, reduction, ignore_index, *rest, **kw):
+    classes = x.shape[1] if x.ndim >= 2 else x.shape[0]
+    return [(target, 1 if x.ndim >= 2 else 0, classes, False, ignore_index)]
+
+
+_aten = torch.ops.aten
+_INDEX = Bound(_spec_indices, IndexError, _index_message)
+_GATHER = Bound(_spec_dim(False), RuntimeError, _index_message)
+_ALONG = Bound(_spec_dim(False), IndexError, _index_message)
+_FILL = Bound(_spec_dim(True), IndexError, _index_message)
+_FLAT = Bound(_spec_flat, IndexError, _take_message)
+# Per op (in-place and out= forms through their functional op, bound_for).
+BOUNDS = {
+    _aten.index.Tensor: _INDEX,
+    _aten.index_put.default: _INDEX,
+    _aten._index_put_impl_.default: _INDEX,
+    _aten.gather.default: _GATHER,
+    _aten.scatter.src: _GATHER,
+    _aten.scatter.value: _GATHER,
+    _aten.scatter.reduce: _GATHER,
+    _aten.scatter.value_reduce: _GATHER,
+    _aten.scatter_add.default: _GATHER,
+    _aten.scatter_reduce.two: _GATHER,
+    _aten.index_select.default: _ALONG,
+    _aten.index_add.default: _ALONG,
+    _aten.index_copy.default: _ALONG,
+    _aten.index_reduce.default: _ALONG,
+    _aten.index_fill.int_Scalar: _FILL,
+    _aten.index_fill.int_Tensor: _FILL,
+    _aten.embedding.default: Bound(_spec_embedding, IndexError, _index_message),
+    _aten._embedding_bag.default: Bound(_spec_embedding, RuntimeError, _bag_message),
+    _aten._embedding_bag_forward_only.default: Bound(_spec_embedding, RuntimeError, _bag_message),
+    _aten.take.default: _FLAT,
+    _aten.put.default: _FLAT,
+    # Backward ops that write rows picked by an index (CPU skips out-of-range
+    # rows there; a forward with the same indices raised before).
+    _aten.embedding_dense_backward.default: Bound(_spec_weight_rows, IndexError, _index_message),
+    _aten._embedding_bag_backward.default: Bound(_spec_bag_backward, IndexError, _index_message),
+    _aten.nll_loss_forward.default: Bound(_spec_target, IndexError, _target_message),
+    _aten.nll_loss2d_forward.default: Bound(_spec_target, IndexError, _target_message),
+}
+
+
+def bound_for(func, functional=None):
+    """func's Bound, or its functional variant's (index_add_, index_select.out)."""
+    bound = BOUNDS.get(func)
+    if bound is None and functional is not None:
+        bound = BOUNDS.get(functional)
+    return bound
+
+
+def check_bounds(func, args, kwargs, functional=None, line=None):
+    """PyTorch's range check for func's index arguments, on the host (syncs:
+    debug mode and the CPU fallback only). Raises what CPU raises, naming
+    the op and the user's line."""
+    bound = bound_for(func, functional)
+    if bound is None:
         return
-    values = _host(index)
-    if values.numel() == 0:
-        return
-    low = -size if allow_negative else 0
-    bad = (values < low) | (values >= size)
-    if bool(bad.any()):
-        first = int(values[bad].reshape(-1)[0])
-        msg = _index_message(first, dim, size)
-        raise exc(f"{what}: {msg}" if what else msg)
+    for index, dim, size, negative_ok, *allowed in bound.spec(*args, **kwargs):
+        if not isinstance(index, torch.Tensor) or index.numel() == 0:
+            continue
+        values = _host(index)
+        bad = (values < (-size if negative_ok else 0)) | (values >= size)
+        if allowed:
+            bad &= values != allowed[0]
+        if bool(bad.any()):
+            position = int(bad.nonzero()[0, 0])
+            raise out_of_range(bound, func, line or user_line(sys._getframe(1)),
+                               int(values[position]), dim, size, position)
 
 
 def _host(t):
@@ -321,92 +473,6 @@ def _host(t):
     from . import runtime
     from .dispatch import device_array
     return runtime.to_host(device_array(t)).reshape(-1)
-
-
-def _dim(d, ndim):
-    return d % ndim if ndim else 0
-
-
-def _check_indices(x, indices):
-    d = 0
-    for idx in indices:
-        if idx is None:
-            d += 1
-            continue
-        if idx.dtype in (torch.bool, torch.uint8):
-            d += idx.dim()
-            continue
-        if d < x.dim():
-            check_index(idx, d, x.shape[d])
-        d += 1
-
-
-def _bounds_index(x, indices, *rest, **kw):
-    _check_indices(x, indices)
-
-
-def _bounds_dim(exc, allow_negative):
-    def check(x, dim, index, *rest, **kw):
-        d = _dim(dim, x.dim())
-        check_index(index, d, x.shape[d] if x.dim() else 1, allow_negative, exc)
-    return check
-
-
-def _bounds_embedding(weight, indices, *rest, **kw):
-    check_index(indices, 0, weight.shape[0], allow_negative=False)
-
-
-def _bounds_take(x, index, *rest, **kw):
-    n = x.numel()
-    if not isinstance(index, torch.Tensor) or index.numel() == 0:
-        return
-    values = _host(index)
-    bad = (values < -n) | (values >= n)
-    if bool(bad.any()):
-        first = int(values[bad][0])
-        raise IndexError(f"out of range: tried to access index {first} on a tensor of {n} elements.")
-
-
-_aten = torch.ops.aten
-# Which argument indexes which dimension, per op; the exception type is the
-# one PyTorch raises on CPU (gather/scatter: RuntimeError).
-BOUNDS = {
-    _aten.index.Tensor: _bounds_index,
-    _aten.index_put.default: _bounds_index,
-    _aten.index_put_.default: _bounds_index,
-    _aten._index_put_impl_.default: _bounds_index,
-    _aten.gather.default: _bounds_dim(RuntimeError, False),
-    _aten.scatter.src: _bounds_dim(RuntimeError, False),
-    _aten.scatter.value: _bounds_dim(RuntimeError, False),
-    _aten.scatter.reduce: _bounds_dim(RuntimeError, False),
-    _aten.scatter.value_reduce: _bounds_dim(RuntimeError, False),
-    _aten.scatter_.src: _bounds_dim(RuntimeError, False),
-    _aten.scatter_.value: _bounds_dim(RuntimeError, False),
-    _aten.scatter_add.default: _bounds_dim(RuntimeError, False),
-    _aten.scatter_add_.default: _bounds_dim(RuntimeError, False),
-    _aten.scatter_reduce.two: _bounds_dim(RuntimeError, False),
-    _aten.scatter_reduce_.two: _bounds_dim(RuntimeError, False),
-    _aten.index_select.default: _bounds_dim(IndexError, False),
-    _aten.index_add.default: _bounds_dim(IndexError, False),
-    _aten.index_add_.default: _bounds_dim(IndexError, False),
-    _aten.index_copy.default: _bounds_dim(IndexError, False),
-    _aten.index_copy_.default: _bounds_dim(IndexError, False),
-    _aten.index_fill.int_Scalar: _bounds_dim(IndexError, True),
-    _aten.index_fill.int_Tensor: _bounds_dim(IndexError, True),
-    _aten.index_fill_.int_Scalar: _bounds_dim(IndexError, True),
-    _aten.index_fill_.int_Tensor: _bounds_dim(IndexError, True),
-    _aten.embedding.default: _bounds_embedding,
-    _aten.take.default: _bounds_take,
-    _aten.put.default: _bounds_take,
-    _aten.put_.default: _bounds_take,
-}
-
-
-def check_bounds(func, args, kwargs):
-    """Debug mode: PyTorch's range check for func's index arguments."""
-    check = BOUNDS.get(func)
-    if check is not None:
-        check(*args, **kwargs)
 
 
 # ---- checked runs (debug mode, NaN checks) ---------------------------------
@@ -439,9 +505,8 @@ _fused_log = []
 
 def checked_run(ex, plan, kernel, flat, storages, args, kwargs):
     """ex.run with debug mode's checks: index bounds before, NaN/Inf after."""
-    debug = ex.name == "debug"
-    if debug:
-        check_bounds(plan.func, args, kwargs)
+    if ex.name == "debug":
+        check_bounds(plan.func, args, kwargs, plan.functional, user_line(sys._getframe(1)))
     outs, written = ex.run(kernel, flat, storages)
     if not nan_checks_on():
         return outs, written

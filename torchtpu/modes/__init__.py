@@ -43,10 +43,13 @@ def get_eager_mode():
 def set_eager_mode(name):
     global _current
     _check(name)
-    if _current is not None and _current.name != name:
-        note_sync("mode_switch")
-        _current.sync()
-    _current = _executor(name)
+    try:
+        if _current is not None and _current.name != name:
+            note_sync("mode_switch")
+            _current.sync()
+    finally:
+        # Switched even when the sync raises (an out-of-range index found then).
+        _current = _executor(name)
 
 
 @contextlib.contextmanager

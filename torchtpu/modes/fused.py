@@ -23,7 +23,7 @@ import weakref
 
 import jax
 
-from .. import cache, errors, metrics
+from .. import bounds, cache, errors, metrics
 from ..tensor import Lost, Pending
 from .strict import StrictExecutor
 
@@ -182,6 +182,7 @@ class FusedExecutor(StrictExecutor):
         reason = take_sync_reason("read")
         if type(storage.array) is Pending:
             self.flush(reason)
+        bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
     def sync(self):

@@ -17,6 +17,8 @@ class StrictExecutor:
     def concrete(self, storage):
         from . import take_sync_reason
         take_sync_reason(None)
+        from .. import bounds  # not at import: it needs the tpu device named
+        bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
     def sync(self):
@@ -25,3 +27,5 @@ class StrictExecutor:
         if self._last is not None:
             jax.block_until_ready(self._last)
             self._last = None
+        from .. import bounds
+        bounds.check()
