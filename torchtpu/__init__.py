@@ -17,6 +17,10 @@ from . import compile as _compile  # noqa: E402
 
 _compile.register()
 
+from .integrations import accelerate as _accelerate  # noqa: E402
+
+_accelerate.install()  # Accelerator() and Trainer pick tpu (when accelerate is imported)
+
 import torch.distributed as _dist  # noqa: E402
 
 if _dist.is_available():

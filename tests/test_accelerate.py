@@ -1,0 +1,179 @@
+"""Hugging Face Accelerate and Trainer on tpu, as a user's script calls them
+after `import torchtpu`: Accelerator() picks tpu, prepare/backward/gather/
+save_state/load_state work and train as on CPU, and Trainer with its default
+arguments gives a CPU run's losses."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_same
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps its state per process; each test starts anew."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(12, 4, generator=g),
+                                          torch.randn(12, 2, generator=g))
+
+
+def test_accelerator_picks_tpu():
+    accelerator = Accelerator()
+    assert accelerator.device == torch.device("tpu")
+    assert accelerator.distributed_type == accelerate.DistributedType.NO
+    assert accelerator.num_processes == 1
+
+
+def test_accelerator_cpu_true_still_gives_cpu():
+    assert Accelerator(cpu=True).device == torch.device("cpu")
+
+
+def test_accelerate_in_several_processes_raises(monkeypatch):
+    # As torchrun would set it for one of two processes (without a process
+    # group, which would wait for the other).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(NotImplementedError, match="one process only"):
+        Accelerator()
+
+
+@pytest.mark.parametrize("accelerate_first", [False, True], ids=["torchtpu_first",
+                                                                   "accelerate_first"])
+def test_import_order_and_no_eager_accelerate_import(accelerate_first):
+    """`import torchtpu` does not import accelerate; either import order gives
+    a tpu Accelerator."""
+    imports = "import accelerate, torchtpu" if accelerate_first else \
+        "import torchtpu, sys; assert 'accelerate' not in sys.modules; import accelerate"
+    script = f"{imports}\nprint(accelerate.Accelerator().device)"
+    env = dict(os.environ, TORCHTPU_CACHE_DIR="off")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "tpu"
+
+
+def test_prepare_and_backward_train_as_on_cpu(mode):
+    torch.manual_seed(0)
+    ref = _mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    accelerator = Accelerator()
+    model = copy.deepcopy(ref)
+    model, opt, loader = accelerator.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.utils.data.DataLoader(_data(), batch_size=4))
+    assert all(p.is_tpu for p in model.parameters())
+    steps = 0
+    for (x, y), (cx, cy) in zip(loader, torch.utils.data.DataLoader(_data(), batch_size=4)):
+        assert x.is_tpu and y.is_tpu
+        loss = F.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = F.mse_loss(ref(cx), cy)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_same(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        steps += 1
+    assert steps == 3
+    ref_state = ref.state_dict()
+    for name, value in accelerator.unwrap_model(model).state_dict().items():
+        assert_same(value, ref_state[name], rtol=1e-5, atol=1e-6)
+
+
+def test_gather_and_reduce():
+    accelerator = Accelerator()
+    x = torch.arange(6.0).reshape(2, 3)
+    gathered = accelerator.gather({"a": x.to(accelerator.device), "b": [x[0].to("tpu")]})
+    assert_same(gathered["a"], x)
+    assert_same(gathered["b"][0], x[0])
+    assert_same(accelerator.gather_for_metrics(x.to("tpu")), x)
+    assert_same(accelerator.reduce(x.to("tpu"), reduction="sum"), x)
+
+
+def _step(accelerator, model, opt, batch):
+    x, y = batch
+    loss = F.mse_loss(model(x), y)
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach().cpu()
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False], ids=["safetensors", "torch_save"])
+def test_save_state_load_state_round_trip(tmp_path, safe_serialization):
+    """save_state after one step, two more steps, load_state: the parameters
+    and optimizer state are the saved ones again (on tpu), and the next step
+    repeats the step after saving."""
+    torch.manual_seed(0)
+    accelerator = Accelerator()
+    model = _mlp()
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batches = [(x.to("tpu"), y.to("tpu")) for x, y in
+               torch.utils.data.DataLoader(_data(), batch_size=4)]
+    _step(accelerator, model, opt, batches[0])
+    saved = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    accelerator.save_state(tmp_path, safe_serialization=safe_serialization)
+    after_save = _step(accelerator, model, opt, batches[1])
+    _step(accelerator, model, opt, batches[2])
+    accelerator.load_state(tmp_path)
+    for name, value in model.state_dict().items():
+        assert_same(value, saved[name])
+    for state in opt.state_dict()["state"].values():
+        assert state["exp_avg"].is_tpu and state["exp_avg_sq"].is_tpu
+    torch.testing.assert_close(_step(accelerator, model, opt, batches[1]), after_save)
+
+
+def _trainer_losses(use_cpu, output_dir):
+    transformers = pytest.importorskip("transformers")
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.ids = torch.randint(0, 96, (8, 16), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    args = transformers.TrainingArguments(output_dir=str(output_dir), max_steps=3,
+                                          per_device_train_batch_size=2, report_to="none",
+                                          logging_steps=1, use_cpu=use_cpu)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train()
+    device = next(model.parameters()).device
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], device
+
+
+def test_trainer_default_arguments_match_cpu(tmp_path):
+    tpu_losses, tpu_device = _trainer_losses(False, tmp_path / "tpu")
+    cpu_losses, cpu_device = _trainer_losses(True, tmp_path / "cpu")
+    assert tpu_device.type == "tpu" and cpu_device.type == "cpu"
+    assert len(tpu_losses) == len(cpu_losses) == 3
+    torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses),
+                               rtol=1e-4, atol=1e-5)

@@ -1,0 +1,130 @@
+"""Hugging Face Accelerate on tpu.
+
+Accelerate (1.x) names the devices it knows in its own code:
+`PartialState.default_device` tries mps, mlu, sdaa, musa, npu, hpu, cuda, xpu
+and neuron, else gives cpu, so `Accelerator()` and the `Trainer` (which builds
+one) put every model and batch on cpu. Two changes tell it about tpu:
+
+- `default_device` gives the tpu device whenever tpu is torch's current
+  accelerator (`torch.accelerator`), as transformers' TrainingArguments
+  already decides. `Accelerator(cpu=True)` and `TrainingArguments(use_cpu=True)`
+  never ask it and still give cpu.
+- `Accelerator.prepare` points the optimizers it prepares at the parameters
+  the model has on tpu, by name: moving a model to tpu gives it new Parameter
+  objects, so an optimizer made before `prepare` (Accelerate's usual order)
+  would step the old CPU ones. Accelerate does the same for XLA devices.
+
+Only one process is covered: Accelerate's multi-process set-up has no branch
+for another device, so each process of `accelerate launch` or torchrun would
+train alone on its own data; that raises instead.
+
+Importing accelerate costs about a second, so `import torchtpu` does not: each
+change is made when its module is first imported (a meta-path finder that
+runs it after the module's own code), or at once if it already is.
+"""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+import torch
+
+from ..tensor import DEVICE
+
+
+def _tpu_is_the_accelerator():
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and accelerator.type == DEVICE.type
+
+
+def _world_size():
+    """The processes launched together (torchrun's and accelerate launch's
+    WORLD_SIZE), or those of a process group already set up."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _patch_state(module):
+    partial_state = module.PartialState
+    accelerate_default = partial_state.default_device.fget
+
+    def default_device(self):
+        if not _tpu_is_the_accelerator():
+            return accelerate_default(self)
+        if _world_size() > 1:
+            raise NotImplementedError(
+                f"torchtpu: Hugging Face Accelerate runs on {DEVICE.type} in one process only; with "
+                f"{_world_size()} processes each would train alone (Accelerate sets up no "
+                f"process group for {DEVICE.type}). Use torch.distributed with "
+                f"DistributedDataParallel directly, or one process")
+        return torch.device(DEVICE.type)  # no index, as accelerate gives torch.device("cuda")
+
+    default_device.__doc__ = accelerate_default.__doc__
+    partial_state.default_device = property(default_device)
+
+
+def _patch_accelerator(module):
+    accelerator = module.Accelerator
+    accelerate_prepare = accelerator.prepare
+
+    def prepare(self, *args, device_placement=None):
+        if not (self.device_placement and self.device.type == DEVICE.type):
+            return accelerate_prepare(self, *args, device_placement=device_placement)
+        before = self._get_named_parameters(*args)
+        result = accelerate_prepare(self, *args, device_placement=device_placement)
+        results = result if len(args) > 1 else (result,)
+        after = self._get_named_parameters(*results)
+        moved = {p: after[name] for name, p in before.items() if name in after}
+        for obj in results:
+            if isinstance(obj, module.AcceleratedOptimizer):
+                obj._switch_parameters(moved)
+        return result
+
+    prepare.__doc__ = accelerate_prepare.__doc__
+    accelerator.prepare = prepare
+
+
+_PATCHES = {"accelerate.state": _patch_state, "accelerate.accelerator": _patch_accelerator}
+_patched = set()
+
+
+def _patch(name, module):
+    if name not in _patched:
+        _patched.add(name)
+        _PATCHES[name](module)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds the patched modules as the other finders do, and has their
+    loader patch each once its own code has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _PATCHES or name in _patched:
+            return None
+        sys.meta_path.remove(self)  # the real spec, from the finders after this one
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            _patch(name, module)
+            if len(_patched) == len(_PATCHES) and self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install():
+    for name in _PATCHES:
+        if name in sys.modules:
+            _patch(name, sys.modules[name])
+    if len(_patched) < len(_PATCHES) and \
+            not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
