@@ -9,6 +9,10 @@ from . import cache, metrics, ops  # noqa: E402
 ops.load_all()
 _device.register_kernels()
 
+from . import amp  # noqa: E402
+
+amp.register()  # torch.autocast("tpu") with CUDA's op policy
+
 from . import module_conversion as _module_conversion  # noqa: E402
 
 _module_conversion.install()  # tied parameters stay tied through .to()
