@@ -24,6 +24,7 @@ import torchtpu  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
 from common import timings  # noqa: E402
 from fused import training_steps  # noqa: E402
+from transfers import transfers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "performance.md")
@@ -79,7 +80,7 @@ per_op.columns = [("mode", "mode", "{}"), ("median", "µs per op (median)", "{:.
 
 
 BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
-              "cache_warm_start": cache_warm_start}
+              "cache_warm_start": cache_warm_start, "transfers": transfers}
 
 
 # ---- output -------------------------------------------------------------------
