@@ -926,6 +926,13 @@ def _copy_(dst, src, non_blocking=False):
         # From pinned memory, non_blocking starts the transfer and returns.
         non_blocking = non_blocking and pinned.is_pinned(src)
         src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous(), non_blocking)
+        if dst._view is None and type(dst._storage.array) is not Lost:
+            # dst is its whole storage (as .to("tpu") makes it): the upload
+            # becomes the storage's array, with no copy kernel.
+            dst._storage.assign(src._storage.array)
+            if modes.current().name == "debug":
+                runtime.wait_transfers()  # debug mode waits for each op
+            return dst
     elif not isinstance(dst, TpuTensor):
         # dst on CPU, src on tpu
         dst.copy_(download(src))

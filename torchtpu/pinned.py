@@ -1,4 +1,4 @@
-"""Pinned host memory: page-aligned CPU buffers that torchtpu tracks, so
+"""Pinned host memory: CPU buffers that torchtpu allocates and tracks, so
 that `pin_memory()`, `is_pinned()` and `DataLoader(pin_memory=True)` work,
 and a `non_blocking` copy from one starts an asynchronous transfer instead
 of taking a host copy first.
@@ -15,6 +15,8 @@ import weakref
 import numpy as np
 import torch
 
+from . import runtime
+
 # data pointer -> byte size of each live pinned buffer.
 _live = {}
 
@@ -30,11 +32,18 @@ def _check_device(device):
         raise RuntimeError(f"pin_memory: torchtpu pins memory for the tpu device, not {device}")
 
 
+# Where a buffer starts past a page boundary. On the CPU platform JAX takes a
+# 64-byte-aligned host buffer as the device array itself and copies others
+# in the background: 16 bytes in (aligned for every dtype), an upload is
+# that asynchronous copy. Elsewhere, page-aligned, for the transfer engine.
+_OFFSET = 16 if runtime.PLATFORM == "cpu" else 0
+
+
 def pinned_buffer(nbytes):
-    """A page-aligned uint8 CPU tensor of nbytes, registered as pinned for
-    as long as its memory lives."""
-    raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
-    start = -raw.ctypes.data % mmap.PAGESIZE
+    """A uint8 CPU tensor of nbytes at a page boundary (plus _OFFSET),
+    registered as pinned for as long as its memory lives."""
+    raw = np.empty(nbytes + 2 * mmap.PAGESIZE, np.uint8)
+    start = -raw.ctypes.data % mmap.PAGESIZE + _OFFSET
     buf = raw[start:start + nbytes]
     ptr = buf.ctypes.data
     _live[ptr] = nbytes

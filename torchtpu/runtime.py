@@ -136,6 +136,12 @@ def to_device(t: torch.Tensor, dev=None, non_blocking=False):
     if not non_blocking:
         return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
     arr = jax.device_put(host, dev or DEVICES[0])
+    if PLATFORM == "cpu" and arr.unsafe_buffer_pointer() == host.ctypes.data:
+        # The CPU platform takes a 64-byte-aligned host buffer as the array
+        # itself (whatever may_alias says), and only copies others, in the
+        # background (torchtpu.pinned makes its buffers so): the tensor
+        # must not be the user's buffer, so copy it here.
+        return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
     _note_in_flight(arr)
     return arr
 

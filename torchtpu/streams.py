@@ -160,6 +160,7 @@ class Event(_TorchEvent):
         self._recorded = False
         self._done = threading.Event()
         self._time = None
+        self._arrays = None
         return self
 
     def __init__(self, *args, **kwargs):
@@ -167,6 +168,7 @@ class Event(_TorchEvent):
 
     def _stamp(self, t):
         self._time = t
+        self._arrays = None
         self._done.set()
 
     def record(self, stream=None):
@@ -177,7 +179,7 @@ class Event(_TorchEvent):
         self._recorded = True
         self._done = threading.Event()
         self._time = None
-        arrays = _marker()
+        self._arrays = arrays = _marker()
         memory.sample(settle=False)
         if _waiter.pending == 0 and _ready(arrays):  # (earlier events stamp first)
             self._stamp(time.perf_counter())
@@ -185,7 +187,11 @@ class Event(_TorchEvent):
             _waiter.submit(self, arrays)
 
     def query(self):
-        return not self._recorded or self._done.is_set()
+        """Whether the work before the record is complete (stamped or not yet)."""
+        if not self._recorded or self._done.is_set():
+            return True
+        arrays = self._arrays
+        return arrays is None or _ready(arrays)
 
     def synchronize(self):
         if self._recorded:
@@ -202,6 +208,8 @@ class Event(_TorchEvent):
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         if not (self.query() and end_event.query()):
             raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        self.synchronize()  # complete: the stamps are on their way
+        end_event.synchronize()
         return (end_event._time - self._time) * 1000.0
 
     def ipc_handle(self):
