@@ -121,3 +121,20 @@ def test_training_from_a_pinned_loader(mode):
     cpu_losses, cpu_w = train("cpu")
     assert_same(tpu_losses, cpu_losses)
     assert_same(tpu_w, cpu_w)
+
+
+def test_upload_into_a_whole_tensor_is_seen_by_its_views(mode):
+    """A CPU tensor copied into a whole tpu tensor becomes its storage's
+    value: views of it, and autograd's version counter, see the write."""
+    base = torch.zeros(3, 4, device="tpu")
+    row = base[1]
+    version = base._version
+    src = torch.randn(3, 4)
+    base.copy_(src.pin_memory(), non_blocking=True)
+    assert base._version == version + 1
+    assert_same(row, src[1], rtol=0, atol=0)
+    base.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # broadcast over the rows
+    assert_same(row, torch.tensor([1.0, 2.0, 3.0, 4.0]), rtol=0, atol=0)
+    half = torch.zeros(2, 2, device="tpu", dtype=torch.float16)
+    half.copy_(torch.tensor([[1.5, -2.0], [3.0, 0.25]], dtype=torch.float64))
+    assert_same(half, torch.tensor([[1.5, -2.0], [3.0, 0.25]], dtype=torch.float16))
