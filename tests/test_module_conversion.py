@@ -105,6 +105,29 @@ def test_to_empty_on_tpu_keeps_ties():
     _check_tied(model, "tpu")
 
 
+def test_gradient_hooks_move_with_the_parameter(mode):
+    cpu, model = TiedLM(), TiedLM()
+    model.load_state_dict(cpu.state_dict())
+    seen = {"cpu": [], "tpu": []}
+    handles = []
+    for m, name in ((cpu, "cpu"), (model, "tpu")):
+        handles.append(m.embed.weight.register_hook(lambda g: g * 3))
+        m.mid.weight.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen[name].append(tuple(p.grad.shape)))
+    model.to("tpu")
+    ids = torch.tensor([[1, 2, 3]])
+    for m, x in ((cpu, ids), (model, ids.to("tpu"))):
+        m(x).sum().backward()
+    assert seen["tpu"] == seen["cpu"] == [(4, 4)]
+    assert_same(model.embed.weight.grad, cpu.embed.weight.grad, atol=1e-5, rtol=1e-5)
+    for h in handles:
+        h.remove()
+    for m, x in ((cpu, ids), (model, ids.to("tpu"))):
+        m.zero_grad()
+        m(x).sum().backward()
+    assert_same(model.embed.weight.grad, cpu.embed.weight.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_shared_submodule_stays_shared():
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.ReLU(), shared).to("tpu")

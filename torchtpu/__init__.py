@@ -17,6 +17,10 @@ from . import module_conversion as _module_conversion  # noqa: E402
 
 _module_conversion.install()  # tied parameters stay tied through .to()
 
+from . import serialization as _serialization  # noqa: E402
+
+_serialization.install()  # torch.save / torch.load of tpu tensors
+
 from . import compile as _compile  # noqa: E402
 
 _compile.register()

@@ -7,7 +7,9 @@ subclass on another backend, so from or to tpu each module gets a new
 Parameter of its own, and one parameter shared by two modules becomes two.
 PyTorch cannot keep the same object either (its class and slots differ),
 so within one conversion each original Parameter becomes one new Parameter,
-put in every module that held the original.
+put in every module that held the original, with the original's gradient
+hooks. Optimizers hold the objects they were given: build them after the
+move, as PyTorch's docs ask for CUDA too.
 """
 import torch
 from torch import nn
@@ -52,10 +54,23 @@ def _apply(self, fn, recurse=True):
             continue
         # The first module to hold this parameter made its new Parameter;
         # every later holder takes that one.
-        first = convert.replaced.setdefault(id(old), new)
-        if first is not new:
+        first = convert.replaced.get(id(old))
+        if first is None:
+            convert.replaced[id(old)] = new
+            _carry_hooks(old, new)
+        elif first is not new:
             self._parameters[key] = first
     return result
+
+
+def _carry_hooks(old, new):
+    """Gradient hooks registered on the parameter run on its replacement, as
+    on CUDA, where the parameter itself is kept (their handles still remove
+    them: they hold the same dicts)."""
+    if old._backward_hooks:
+        new._backward_hooks = old._backward_hooks
+    if old._post_accumulate_grad_hooks:
+        new._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
 
 
 def install():

@@ -153,10 +153,20 @@ class TpuTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, args, kwargs or {})
 
+    # torch.save and pickle write a tpu tensor as PyTorch writes a CUDA one:
+    # its storage's bytes, tagged with the device, and how it views them
+    # (torchtpu.serialization).
     def __reduce_ex__(self, proto):
-        # Serialize through a CPU copy; torch.load's map_location applies.
-        return (torch._utils._rebuild_device_tensor_from_cpu_tensor,
-                (self.cpu(), self.dtype, str(self.device), self.requires_grad))
+        from .serialization import reduce_tensor
+        return reduce_tensor(self)
+
+    def untyped_storage(self):
+        from .serialization import untyped_storage
+        return untyped_storage(self)
+
+    def data_ptr(self):
+        from .serialization import data_ptr
+        return data_ptr(self)
 
     def __repr__(self, *, tensor_contents=None):
         # Print a CPU copy (one transfer, no device ops), then name the device

@@ -1,0 +1,263 @@
+"""Saving and loading tpu tensors as PyTorch saves device tensors.
+
+torch.save writes a CUDA tensor as `_rebuild_tensor_v2(storage, offset, size,
+stride, requires_grad, ...)` with its storage's bytes tagged "cuda:0", and
+torch.load restores the storage on the location (after map_location) and
+views it. tpu tensors are written the same way, tagged "tpu:0": views of one
+storage stay views of one storage, weights_only=True loads them with
+PyTorch's own allowlist, and map_location moves them as it moves CUDA ones.
+
+A tpu tensor's data is a JAX array, not a C++ storage, so two UntypedStorage
+subclasses stand in for one:
+- TpuStorage, what `t.untyped_storage()` returns: the face of a live
+  storage (nbytes, a stable device address for `data_ptr()`, `.cpu()`
+  downloads it), which torch.save writes and safetensors and Hugging Face
+  use to find tensors that share memory;
+- LoadedStorage: a checkpoint's bytes restored for the tpu device, which
+  `set_` (the rebuild's way of viewing a storage) uploads once per dtype.
+"""
+import collections
+import importlib.util
+import math
+import re
+import weakref
+
+import torch
+
+from . import dispatch, modes, runtime
+from .tensor import DEVICE, Storage, TpuTensor, contiguous_strides
+
+aten = torch.ops.aten
+
+# Between CPU's location tag (10) and CUDA's (20): ahead of PyTorch's generic
+# one for the renamed PrivateUse1 device (23), whose restore would allocate
+# a storage on a device that has no C++ allocator.
+_PACKAGE_PRIORITY = 15
+_LOCATION = re.compile(r"^tpu(:(\d+))?$")
+
+
+class _OnTpu(torch.UntypedStorage):
+    """An UntypedStorage that says it lives on the tpu device."""
+
+    @property
+    def device(self):
+        return DEVICE
+
+    @property
+    def is_cuda(self):
+        return False
+
+
+# Device addresses for data_ptr(): one range per storage, never reused, so
+# equal addresses mean shared memory, as they do for CUDA tensors.
+_next_address = 1 << 44
+
+
+class TpuStorage(_OnTpu):
+    """The storage of tpu tensors (all views of one tpu Storage). It holds no
+    host bytes (its C++ storage is empty); reading it downloads the array."""
+
+    @classmethod
+    def of(cls, storage, dtype):
+        global _next_address
+        self = cls(0)
+        self._ref = weakref.ref(storage)
+        self._dtype = dtype
+        self._nbytes = math.prod(storage.array.shape) * dtype.itemsize
+        self._address = _next_address
+        _next_address += -(-max(self._nbytes, 1) // 4096) * 4096
+        return self
+
+    def storage(self):
+        storage = self._ref()
+        if storage is None:
+            raise RuntimeError("torchtpu: this storage's tensors are gone; its data was freed")
+        return storage
+
+    def nbytes(self):
+        return self._nbytes
+
+    def size(self):
+        return self._nbytes
+
+    def __len__(self):
+        return self._nbytes
+
+    def data_ptr(self):
+        return self._address
+
+    def cpu(self):
+        """A CPU copy of the bytes (a sync point: torch.save writes this)."""
+        storage = self.storage()
+        whole = TpuTensor(storage, storage.array.shape, self._dtype)
+        modes.note_sync("cpu")  # as t.cpu() names its read
+        return dispatch.download(whole).untyped_storage()
+
+    def _write_file(self, *args):
+        # The legacy format (and pickle of a storage) writes the C++ bytes.
+        return self.cpu()._write_file(*args)
+
+    def __reduce__(self):
+        return self.cpu().__reduce__()
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("torchtpu: a tpu storage has no host memory; read or write "
+                           "it through a tensor (torch.empty(0, device='tpu').set_(storage))")
+
+    __getitem__ = __setitem__ = copy_ = fill_ = resize_ = _refuse
+
+    def __repr__(self):
+        return f"torchtpu storage of {self._nbytes} bytes on {DEVICE}"
+
+
+class LoadedStorage(_OnTpu):
+    """A checkpoint's bytes restored for the tpu device; the tensors rebuilt
+    over it share the tpu Storage each dtype's upload makes."""
+
+    def _array(self, dtype):
+        numel = self.nbytes() // dtype.itemsize
+        return runtime.to_device(torch.empty(0, dtype=dtype).set_(self, 0, (numel,), (1,)))
+
+    def upload(self, dtype):
+        uploads = self.__dict__.setdefault("_uploads", {})
+        storage = uploads.get(dtype)
+        if storage is None:
+            storage = uploads[dtype] = Storage(self._array(dtype))
+        return storage
+
+    def _set_from_file(self, *args):
+        # The legacy format reads a storage's bytes after the tensors over
+        # it are rebuilt (a CUDA storage takes them in place): upload again.
+        result = super()._set_from_file(*args)
+        for dtype, storage in self.__dict__.get("_uploads", {}).items():
+            storage.assign(self._array(dtype))
+        return result
+
+
+_faces = weakref.WeakKeyDictionary()  # tpu Storage -> its TpuStorage
+
+
+def untyped_storage(t):
+    """t.untyped_storage() of a tpu tensor: one TpuStorage per tpu Storage."""
+    face = _faces.get(t._storage)
+    if face is None:
+        face = _faces[t._storage] = TpuStorage.of(t._storage, t.dtype)
+    return face
+
+
+def data_ptr(t):
+    """The device address of t's first element."""
+    return untyped_storage(t).data_ptr() + t.storage_offset() * t.element_size()
+
+
+def reduce_tensor(t):
+    """TpuTensor.__reduce_ex__: what torch.save and pickle write."""
+    from torch.utils.hooks import warn_if_has_hooks
+    warn_if_has_hooks(t)
+    state = dict(t.__dict__)
+    if state.pop("_is_param", False):
+        # A Parameter, as Parameter.__reduce_ex__ writes one.
+        data = t.detach()
+        if state:
+            return (torch._utils._rebuild_parameter_with_state,
+                    (data, t.requires_grad, collections.OrderedDict(), state))
+        return torch._utils._rebuild_parameter, (data, t.requires_grad, collections.OrderedDict())
+    storage = torch.storage.TypedStorage(wrap_storage=untyped_storage(t), dtype=t.dtype,
+                                         _internal=True)
+    args = (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad,
+            collections.OrderedDict())
+    metadata = torch._utils.get_tensor_metadata(t)
+    if metadata:
+        args = args + (metadata,)
+    if state:
+        # Python attributes on a plain tpu tensor: loading needs TpuTensor
+        # allowlisted under weights_only, as any tensor subclass does.
+        return torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_tensor_v2, TpuTensor,
+                                                     args, state)
+    return torch._utils._rebuild_tensor_v2, args
+
+
+def _set_storage(t, source, storage_offset=0, size=None, stride=None):
+    """aten.set_ of a tpu tensor onto a storage: a checkpoint's (uploaded) or
+    another tpu tensor's (aliased); the rebuild of every saved tensor."""
+    if isinstance(source, LoadedStorage):
+        storage = source.upload(t.dtype)
+    elif isinstance(source, TpuStorage):
+        storage = source.storage()
+    else:
+        raise RuntimeError(f"Expected a storage on {DEVICE} for set_ of a tpu tensor, "
+                           f"got one on {source.device}")
+    numel = math.prod(storage.array.shape)
+    size = (numel,) if size is None else tuple(int(s) for s in size)
+    stride = contiguous_strides(size) if not stride else tuple(int(s) for s in stride)
+    end = storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+    if math.prod(size) and end > numel:
+        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage "
+                           f"offset {storage_offset}, and itemsize {t.element_size()} requiring a "
+                           f"storage size of {end * t.element_size()} are out of bounds for "
+                           f"storage of size {numel * t.element_size()}")
+    new = TpuTensor(storage, size, t.dtype, stride, storage_offset)
+    torch._C.TensorBase.data.__set__(t, new)
+    t._storage, t._view, t._key = new._storage, new._view, new._key
+    return t
+
+
+def _tag(storage):
+    if isinstance(storage, _OnTpu):
+        return str(DEVICE)
+    return None
+
+
+def _restore(storage, location):
+    """torch.load's restore for locations on tpu (after map_location)."""
+    match = _LOCATION.match(location)
+    if match is None:
+        return None
+    index = int(match.group(2) or 0)
+    if index >= torch.tpu.device_count():
+        raise RuntimeError(f"Attempting to deserialize object on TPU device {index} but "
+                           f"torch.tpu.device_count() is {torch.tpu.device_count()}. Please use "
+                           "torch.load with map_location to map your storages to an existing device.")
+    if isinstance(storage, _OnTpu):
+        return storage
+    loaded = LoadedStorage(storage.nbytes())
+    loaded.copy_(storage)
+    return loaded
+
+
+def _safetensors_device(device):
+    """safetensors' device argument for a tpu device: its index. safetensors
+    parses device names itself and knows no "tpu"; an index names the
+    current accelerator's device, which tpu is."""
+    if isinstance(device, str) and _LOCATION.match(device):
+        device = torch.device(device)
+    if isinstance(device, torch.device) and device.type == DEVICE.type:
+        return device.index or 0
+    return device
+
+
+def _patch_safetensors():
+    """safe_open (and so load_file and load_model) takes device="tpu"."""
+    import safetensors
+    import safetensors.torch
+    rust_safe_open = safetensors.safe_open
+    if getattr(rust_safe_open, "__wrapped__", None) is not None:
+        return
+
+    def safe_open(filename, framework, device="cpu", *args, **kwargs):
+        return rust_safe_open(filename, framework, _safetensors_device(device), *args, **kwargs)
+
+    safe_open.__wrapped__ = rust_safe_open
+    safe_open.__doc__ = rust_safe_open.__doc__
+    safetensors.safe_open = safetensors.torch.safe_open = safe_open
+
+
+def install():
+    dispatch.SPECIAL[aten.set_.source_Storage_storage_offset] = _set_storage
+    dispatch.SPECIAL[aten.set_.source_Storage] = _set_storage
+    torch.serialization.register_package(_PACKAGE_PRIORITY, _tag, _restore)
+    if importlib.util.find_spec("safetensors") is not None:
+        _patch_safetensors()  # importing it costs about a millisecond
+
+
+__all__ = ["TpuStorage", "LoadedStorage", "install"]
