@@ -182,7 +182,8 @@ def register_kernels():
     from . import pinned
     pinned.register(_lib)
     from .dispatch import OUT_VIA_FUNCTIONAL, _copy_, dispatch
-    _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src, non_blocking), "PrivateUse1")
+    _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src, non_blocking),
+              "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")
     for op in OUT_VIA_FUNCTIONAL:
         # A backend kernel takes the place of the composite one, so these ops

@@ -24,7 +24,8 @@ def device_index(device, optional=False):
         return 0 if device.index is None else device.index
     if isinstance(device, int) and not isinstance(device, bool):
         return device
-    raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+    raise ValueError("Expected a torch.device with a specified index or an integer, "
+                     f"but got:{device}")
 
 
 def check_index(index):
@@ -113,8 +114,8 @@ class _DeviceProperties:
         self.total_memory = total_memory(index)
         self.major, self.minor = get_device_capability(index)
         # Cores of the device: a TPU chip's TensorCores, a GPU's SMs, the host's CPUs.
-        self.multi_processor_count = int(getattr(dev, "num_cores", 0) or getattr(dev, "core_count", 0)
-                                         or os.cpu_count() or 1)
+        cores = getattr(dev, "num_cores", 0) or getattr(dev, "core_count", 0)
+        self.multi_processor_count = int(cores or os.cpu_count() or 1)
         self.is_integrated = dev.platform == "cpu"
         self.is_multi_gpu_board = False
 

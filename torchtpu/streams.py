@@ -24,10 +24,9 @@ import queue
 import threading
 import time
 
-import jax
 import torch
 
-from . import properties, runtime
+from . import properties
 
 _TorchStream = torch.Stream
 _TorchEvent = torch.Event
