@@ -64,6 +64,7 @@ def test_memory_allocated_counts_live_tensors(mode):
     during = torch.tpu.memory_allocated()
     assert during >= before + 2 * nbytes
     assert torch.tpu.memory_reserved() >= during
+    assert torch.tpu.memory_cached() == torch.tpu.memory_reserved()
     assert torch.tpu.max_memory_allocated() >= during
     stats = torch.tpu.memory_stats()
     assert stats["allocated_bytes.all.current"] == during

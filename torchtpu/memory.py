@@ -94,6 +94,8 @@ def reset_peak_memory_stats(device=None):
 
 reset_max_memory_allocated = reset_peak_memory_stats
 reset_max_memory_cached = reset_peak_memory_stats
+memory_cached = memory_reserved  # torch.cuda's old names
+max_memory_cached = max_memory_reserved
 
 
 def reset_accumulated_memory_stats(device=None):
@@ -152,4 +154,4 @@ def empty_cache():
 NAMES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
          "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
          "reset_accumulated_memory_stats", "memory_stats", "memory_summary", "mem_get_info",
-         "empty_cache")
+         "empty_cache", "memory_cached", "max_memory_cached")
