@@ -138,3 +138,17 @@ def test_upload_into_a_whole_tensor_is_seen_by_its_views(mode):
     half = torch.zeros(2, 2, device="tpu", dtype=torch.float16)
     half.copy_(torch.tensor([[1.5, -2.0], [3.0, 0.25]], dtype=torch.float64))
     assert_same(half, torch.tensor([[1.5, -2.0], [3.0, 0.25]], dtype=torch.float16))
+
+
+def test_upload_overwritten_in_a_flush_before_the_sync_point():
+    """Fused mode: an upload written in place and flushed (a graph that may
+    reuse its buffer) before the sync point that waits for it."""
+    with torchtpu.eager_mode("fused"):
+        src = torch.randn(1000)
+        pinned = src.pin_memory()
+        x = pinned.to("tpu", non_blocking=True)
+        x.mul_(2)
+        torch.tpu.Event().record()  # a flush
+        torch.tpu.synchronize()
+        pinned.fill_(0)
+        assert_same(x, src * 2)

@@ -104,6 +104,8 @@ def wait_transfers():
     """Wait for the asynchronous uploads issued so far (a sync point's duty:
     after it, the user may write the pinned buffers they came from)."""
     if _in_flight:
+        # (Held here, these arrays are never donated to a fused graph: the
+        # executor donates only arrays nothing else references.)
         jax.block_until_ready(_in_flight)
         _in_flight.clear()
 
