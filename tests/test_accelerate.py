@@ -111,6 +111,44 @@ def test_gather_and_reduce():
     assert_same(accelerator.reduce(x.to("tpu"), reduction="sum"), x)
 
 
+def _bf16_step(cpu):
+    """One prepared bf16 mixed-precision step: the first layer's output dtype
+    inside forward, the model's output and the parameters after the step."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=cpu, mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = _mlp()
+    inner_dtypes = []
+    model[0].register_forward_hook(lambda mod, args, out: inner_dtypes.append(out.dtype))
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = next(iter(torch.utils.data.DataLoader(_data(), batch_size=4)))
+    out = model(x.to(accelerator.device))
+    accelerator.backward(F.mse_loss(out, y.to(accelerator.device)))
+    opt.step()
+    return inner_dtypes, out.detach(), accelerator.unwrap_model(model).state_dict()
+
+
+def test_mixed_precision_bf16_as_on_cpu():
+    """Accelerator(mixed_precision="bf16") autocasts forward to bfloat16 on tpu
+    as on CPU (outputs back in float32, as Accelerate gives them)."""
+    tpu_dtypes, tpu_out, tpu_state = _bf16_step(cpu=False)
+    cpu_dtypes, cpu_out, cpu_state = _bf16_step(cpu=True)
+    assert tpu_dtypes == cpu_dtypes == [torch.bfloat16]
+    assert tpu_out.dtype == torch.float32
+    bf16 = dict(rtol=1.6e-2, atol=1e-5)  # torch.testing's bfloat16 tolerance
+    assert_same(tpu_out, cpu_out, **bf16)
+    for name, value in tpu_state.items():
+        assert value.dtype == torch.float32, name
+        assert_same(value, cpu_state[name], **bf16)
+
+
+def test_mixed_precision_fp16_refused_by_accelerate():
+    """Accelerate allows fp16 only on the devices it lists (its GradScaler
+    choice would otherwise be CUDA's): it raises, nothing trains silently."""
+    with pytest.raises(ValueError, match="fp16 mixed precision requires a device"):
+        Accelerator(mixed_precision="fp16")
+
+
 def _step(accelerator, model, opt, batch):
     x, y = batch
     loss = F.mse_loss(model(x), y)
