@@ -1,6 +1,7 @@
 """The persistent compilation cache, across processes: warm starts in strict
 and fused mode, modes sharing entries, damaged entries, concurrent writers,
-disabled, read-only and unwritable directories.
+disabled, read-only and unwritable directories, and trust: private modes,
+directories and entries others could have written, shared read-only caches.
 
 Each run is a subprocess with its own TORCHTPU_CACHE_DIR under tmp_path,
 running a few ops and two SGD steps of a tiny MLP, and comparing with the
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -61,7 +63,8 @@ def script(tmp_path_factory):
 
 def _env(cache_dir, mode="strict", **extra):
     env = dict(os.environ)
-    for name in ("TORCHTPU_CACHE_READONLY", "TORCHTPU_EAGER_MODE", "EXTRA"):
+    for name in ("TORCHTPU_CACHE_READONLY", "TORCHTPU_CACHE_TRUSTED_UIDS", "TORCHTPU_EAGER_MODE",
+                 "EXTRA"):
         env.pop(name, None)
     env["TORCHTPU_CACHE_DIR"] = str(cache_dir)
     env["TORCHTPU_EAGER_MODE"] = mode
@@ -245,14 +248,20 @@ def test_unwritable_directory_is_memory_only(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="not writable") as caught:
         assert cache._configure_disk() == (None, False)
     assert len(caught) == 1
-    # A directory that stops being writable mid-run: one warning, then quiet.
-    disk = cache.DiskCache(str(blocker / "cache"))
+    # A directory that stops being writable mid-run (here: removed): one
+    # warning, then quiet.
+    d = tmp_path / "cache"
+    disk = cache.open_disk(str(d), read_only=False)
+    os.rmdir(d)
     cache._warned.discard("write")
-    with pytest.warns(UserWarning, match="cannot write") as caught:
-        disk.put("k", b"value")
-        disk.put("k2", b"value")
-    assert len(caught) == 1
-    assert disk.get("k") is None
+    try:
+        with pytest.warns(UserWarning, match="cannot write") as caught:
+            disk.put("k", b"value")
+            disk.put("k2", b"value")
+        assert len(caught) == 1
+        assert disk.get("k") is None
+    finally:
+        os.close(disk.dir_fd)
 
 
 def test_disabled(monkeypatch):
@@ -332,3 +341,208 @@ def test_command_line_info_and_clear(tmp_path, capsys):
     assert cache._main(["clear", "--dir", str(d)]) == 0
     assert "removed 3 files" in capsys.readouterr().out
     assert sorted(n for n in os.listdir(d) if n != cache.LOCK_NAME) == ["notes.txt"]
+
+
+# ---- trust: who may have written what this process loads -----------------------
+
+OTHER_UID = 12345  # no such user here; os.chown to it needs root
+needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                                reason="giving a file to another user (os.chown) needs root")
+
+
+@pytest.fixture(scope="module")
+def filled(script, tmp_path_factory):
+    """A cache directory one strict run filled, and that run's result; tests
+    work on copies of it."""
+    d = tmp_path_factory.mktemp("filled") / "cache"
+    return d, _run(script, d)
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _chmod_all(path, dir_mode, file_mode):
+    os.chmod(path, dir_mode)
+    for n in os.listdir(path):
+        os.chmod(os.path.join(path, n), file_mode)
+
+
+def _chown_all(path, uid):
+    os.chown(path, uid, -1)
+    for n in os.listdir(path):
+        os.chown(os.path.join(path, n), uid, -1)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o277])
+def test_new_directories_and_files_are_private(tmp_path, umask):
+    """Whatever the umask: the cache directory (and parents it makes) 0700,
+    entries, checks and the lock file 0600."""
+    d = tmp_path / "a" / "b" / "cache"
+    old = os.umask(umask)
+    try:
+        disk = cache.open_disk(str(d), read_only=False)
+        assert disk is not None
+        disk.put("k", b"value")
+    finally:
+        os.umask(old)
+    try:
+        for p in (tmp_path / "a", tmp_path / "a" / "b", d):
+            assert oct(os.stat(p).st_mode & 0o777) == oct(0o700), p
+        names = sorted(os.listdir(d))
+        assert names == sorted([cache.LOCK_NAME, "k" + cache.ENTRY_SUFFIX, "k" + cache.CHECK_SUFFIX])
+        for n in names:
+            assert oct(os.stat(d / n).st_mode & 0o777) == oct(0o600), n
+        assert disk.get("k") == b"value"
+    finally:
+        os.close(disk.dir_fd)
+
+
+def _refused_dirs():
+    cases = [("group", 0o770, None, "writable by its group (mode 0770)"),
+             ("others", 0o707, None, "writable by others (mode 0707)"),
+             ("both", 0o777, None, "writable by its group and others (mode 0777)")]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cases.append(("owner", 0o755, OTHER_UID, f"owned by uid {OTHER_UID}"))
+    return cases
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_untrusted_directory_is_refused(monkeypatch, tmp_path, read_only):
+    """A directory others can write, or owned by another user: one warning
+    naming it and why, nothing written, memory only."""
+    monkeypatch.delenv("TORCHTPU_CACHE_TRUSTED_UIDS", raising=False)
+    if read_only:
+        monkeypatch.setenv("TORCHTPU_CACHE_READONLY", "1")
+    else:
+        monkeypatch.delenv("TORCHTPU_CACHE_READONLY", raising=False)
+    for name, mode, owner, reason in _refused_dirs():
+        d = tmp_path / name
+        d.mkdir()
+        os.chmod(d, mode)
+        if owner is not None:
+            os.chown(d, owner, -1)
+        monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(d))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cache._configure_disk() == (None, read_only)
+        assert len(caught) == 1, [str(w.message) for w in caught]
+        message = str(caught[0].message)
+        assert str(d) in message and reason in message and "memory only" in message
+        assert os.listdir(d) == []
+    # A trusted uid's directory is accepted, unless others can write it too.
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        monkeypatch.setenv("TORCHTPU_CACHE_TRUSTED_UIDS", f"777, {OTHER_UID}")
+        fd, why = cache.open_dir(str(tmp_path / "owner"), read_only)
+        assert why is None
+        os.close(fd)
+        fd, why = cache.open_dir(str(tmp_path / "group"), read_only)
+        assert fd is None and "writable by its group" in why
+
+
+def test_untrusted_entries_are_refused(tmp_path, recwarn):
+    """In a trusted directory, an entry or check file others can write (or
+    owned by another user, or a link) is not loaded: a miss, counted, one
+    warning; a writer replaces it with its own."""
+    d = tmp_path / "cache"
+    disk = cache.open_disk(str(d), read_only=False)
+    try:
+        keys = ["group", "others", "link"] + (["owner"] if os.geteuid() == 0 else [])
+        for k in keys:
+            disk.put(k, f"value of {k}".encode())
+            assert disk.get(k) == f"value of {k}".encode()
+        os.chmod(d / ("group" + cache.ENTRY_SUFFIX), 0o620)
+        os.chmod(d / ("others" + cache.CHECK_SUFFIX), 0o602)
+        os.replace(d / ("link" + cache.ENTRY_SUFFIX), d / "elsewhere")
+        os.symlink(d / "elsewhere", d / ("link" + cache.ENTRY_SUFFIX))
+        if "owner" in keys:
+            os.chown(d / ("owner" + cache.ENTRY_SUFFIX), OTHER_UID, -1)
+        cache._warned.discard("untrusted")
+        before = cache.STATS.disk_untrusted
+        recwarn.clear()
+        for k in keys:
+            assert disk.get(k) is None, k
+        assert cache.STATS.disk_untrusted - before == len(keys)
+        warned = [str(w.message) for w in recwarn if "not loading" in str(w.message)]
+        assert len(warned) == 1
+        assert str(d / ("group" + cache.ENTRY_SUFFIX)) in warned[0]
+        assert "writable by its group (mode 0620)" in warned[0]
+        # A read-only reader leaves them; a writer's put replaces them.
+        ro = cache.DiskCache(str(d), disk.dir_fd, read_only=True)
+        ro.put("group", b"new")
+        assert disk.get("group") is None
+        for k in keys:
+            disk.put(k, f"new {k}".encode())
+            assert disk.get(k) == f"new {k}".encode()
+        assert cache.STATS.disk_untrusted - before == len(keys) + 1
+    finally:
+        os.close(disk.dir_fd)
+
+
+def test_untrusted_entries_compile_again_correctly(script, filled, tmp_path):
+    """A run over a filled cache some of whose files others can write (or
+    another user owns) compiles exactly those kernels again, warns once and
+    matches CPU; the rest are disk hits."""
+    src, cold = filled
+    d = _copy(src, tmp_path / "cache")
+    names = _entries(d)
+    os.chmod(d / names[0], 0o666)
+    key = names[1][:-len(cache.ENTRY_SUFFIX)]
+    if os.geteuid() == 0:
+        os.chown(d / (key + cache.CHECK_SUFFIX), OTHER_UID, -1)
+    else:
+        os.chmod(d / (key + cache.CHECK_SUFFIX), 0o660)
+    again = _run(script, d)
+    s = again["stats"]
+    assert s["disk_untrusted"] == 2, (s, again["stderr"][-3000:])
+    assert s["compilations"] == s["disk_misses"] == 2
+    assert s["disk_hits"] == len(names) - 2
+    assert _torchtpu_warnings(again, "not loading compilation cache entry") == 1
+    _same(cold, again)
+
+
+def test_shared_readonly_cache_compiles_nothing(script, filled, tmp_path):
+    """The shared recipe: one job fills a cache, it is made read-only for
+    everyone (chmod -R a+rX,go-w), and a reader elsewhere (another mount,
+    simulated by a copy) with TORCHTPU_CACHE_READONLY=1 compiles nothing and
+    writes nothing."""
+    src, cold = filled
+    d = _copy(src, tmp_path / "mnt" / "shared")
+    _chmod_all(d, 0o755, 0o644)
+    before = _snapshot(d)
+    ro = _run(script, d, TORCHTPU_CACHE_READONLY="1")
+    s = ro["stats"]
+    assert s["read_only"] is True and s["dir"] == str(d)
+    assert s["compilations"] == 0 and s["disk_misses"] == 0
+    assert s["disk_hits"] == len(_entries(d))
+    assert s["disk_untrusted"] == 0
+    assert _snapshot(d) == before
+    assert "torchtpu:" not in ro["stderr"]
+    _same(cold, ro)
+
+
+@needs_root
+def test_shared_readonly_cache_of_another_user(script, filled, tmp_path):
+    """A shared cache another account owns is read only when that uid is
+    trusted (TORCHTPU_CACHE_TRUSTED_UIDS): zero compilations. Without it, one
+    warning, memory only, results still right."""
+    src, cold = filled
+    d = _copy(src, tmp_path / "mnt" / "shared")
+    _chmod_all(d, 0o755, 0o644)
+    _chown_all(d, OTHER_UID)
+    before = _snapshot(d)
+    trusted = _run(script, d, TORCHTPU_CACHE_READONLY="1",
+                   TORCHTPU_CACHE_TRUSTED_UIDS=str(OTHER_UID))
+    s = trusted["stats"]
+    assert s["compilations"] == 0 and s["disk_misses"] == 0
+    assert s["disk_hits"] == len(_entries(d))
+    _same(cold, trusted)
+    refused = _run(script, d, TORCHTPU_CACHE_READONLY="1")
+    s = refused["stats"]
+    assert s["dir"] is None and s["disk_hits"] == 0
+    assert s["compilations"] > 0
+    assert _torchtpu_warnings(refused, f"owned by uid {OTHER_UID}") == 1
+    assert _snapshot(d) == before
+    _same(cold, refused)

@@ -17,7 +17,11 @@ notices garbage when deserialization fails. Here:
 - an entry whose check is missing or does not match is a miss: JAX compiles
   again and the put overwrites it (one warning per process);
 - `TORCHTPU_CACHE_READONLY=1` reads and never writes;
-- a directory that cannot be written degrades to memory only, with one warning.
+- a directory that cannot be written degrades to memory only, with one warning;
+- entries are machine code this process runs, so only trusted ones are loaded
+  (see "trust" below): the directory and each file must be owned by the
+  current user, root or a uid in TORCHTPU_CACHE_TRUSTED_UIDS and writable by
+  nobody else. torchtpu creates directories 0700 and files 0600.
 
 Run `python -m torchtpu.cache info|clear [--dir D]` to inspect or empty a
 cache directory.
@@ -28,16 +32,17 @@ if __name__ == "__main__":  # python -m torchtpu.cache: use the package's module
 
 import collections
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import pathlib
-import tempfile
+import secrets
+import stat
+import sys
 import threading
 import time
 import warnings
-
-import sys
 
 import jax
 from jax import monitoring
@@ -86,26 +91,154 @@ def readonly():
     return os.environ.get("TORCHTPU_CACHE_READONLY", "").strip().lower() in ("1", "true", "yes")
 
 
+# ---- trust --------------------------------------------------------------------
+# Whoever can write an entry chooses code this process runs (the checksum
+# detects damage, not a writer who recomputes it). So the directory and every
+# file read from it must be owned by a trusted user and writable by nobody
+# else. Both are checked with fstat on the opened directory and files, and
+# files are opened relative to the opened directory (without following
+# links), so renaming things along the path after the check changes nothing.
+# The directory's parents need no check of their own: whoever can change a
+# parent can only swap in another directory, which is checked the same way.
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def trusted_uids():
+    """The owners whose entries are loaded: the current user, root (who can
+    write anything anyway) and the uids in TORCHTPU_CACHE_TRUSTED_UIDS
+    (comma- or space-separated), for a shared cache another account filled."""
+    uids = {os.geteuid(), 0}
+    for part in os.environ.get("TORCHTPU_CACHE_TRUSTED_UIDS", "").replace(",", " ").split():
+        try:
+            uids.add(int(part))
+        except ValueError:
+            _warn_once("uids", f"torchtpu: TORCHTPU_CACHE_TRUSTED_UIDS: {part!r} is not a "
+                       "numeric uid; ignored")
+    return uids
+
+
+def _user(uid):
+    try:
+        import pwd
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def untrusted_reason(st, uids):
+    """Why a file or directory with this stat result is not trusted, or None."""
+    if st.st_uid not in uids:
+        return (f"owned by {_user(st.st_uid)}, not by you ({_user(os.geteuid())}), root "
+                "or a uid in TORCHTPU_CACHE_TRUSTED_UIDS")
+    writers = [who for bit, who in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others"))
+               if st.st_mode & bit]
+    if writers:
+        return f"writable by {' and '.join(writers)} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+class Untrusted(Exception):
+    """A cache file that is not loaded: its path and why."""
+
+
+def _read_trusted(dir_fd, dir_path, name, uids):
+    """The bytes of name in the opened directory, if its file is trusted."""
+    path = os.path.join(dir_path, name)
+    try:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Untrusted(f"{path} is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        why = "not a regular file" if not stat.S_ISREG(st.st_mode) else untrusted_reason(st, uids)
+        if why:
+            raise Untrusted(f"{path} is {why}")
+        return f.read()
+
+
+def open_dir(path, read_only):
+    """(fd of the opened cache directory, None), or (None, why it is not
+    used). A writable cache's missing directories are made, mode 0700."""
+    if not read_only:
+        try:
+            _make_private_dirs(path)
+        except OSError as e:
+            return None, (f"cache directory {path} is not writable ({type(e).__name__}: {e}); "
+                          "compiled kernels are kept in memory only")
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY)
+    except OSError as e:
+        what = "does not exist" if isinstance(e, FileNotFoundError) else \
+            f"cannot be opened ({type(e).__name__}: {e})"
+        return None, (f"{'read-only ' if read_only else ''}cache directory {path} {what}; "
+                      "compiled kernels are kept in memory only")
+    why = untrusted_reason(os.fstat(fd), trusted_uids())
+    if why is not None:
+        why = (f"not using the compilation cache in {path}: the directory is {why}. Its "
+               "entries are compiled code this process would run, so they are only loaded "
+               "from a directory nobody else can write (`chmod go-w` it, or set a "
+               "TORCHTPU_CACHE_DIR of your own)")
+    elif not read_only and not _probe_writable(fd):
+        why = (f"cache directory {path} is not writable (TORCHTPU_CACHE_READONLY=1 reads "
+               "it without writing)")
+    if why is not None:
+        os.close(fd)
+        return None, why + "; compiled kernels are kept in memory only"
+    return fd, None
+
+
+def _make_private_dirs(path):
+    """mkdir -p, each new directory 0700 whatever the umask."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)  # the umask can only take bits away from 0700
+        except FileExistsError:  # made meanwhile by another process
+            continue
+        os.chmod(d, 0o700)
+
+
 # ---- plain file operations (also used by the command line) ------------------
 
 def _sha256(data):
     return hashlib.sha256(data).hexdigest()
 
 
+def _create_private(name, dir_fd, exclusive=True):
+    """Open name in the directory for writing, created mode 0600 whatever
+    the umask; returns the fd."""
+    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | (os.O_EXCL if exclusive else 0)
+    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, 0o600)
+    except OSError:  # an existing file of another owner (only opened to lock)
+        pass
+    return fd
+
+
 @contextlib.contextmanager
-def _locked(path, exclusive):
+def _locked(dir_fd, exclusive):
     """flock on the directory's lock file. Readers never create it (a
     read-only run writes nothing); with no lock file yet there is no locking
     writer either, and a torn pair would still read as a miss."""
     if fcntl is None:
         yield
         return
-    lock_path = os.path.join(path, LOCK_NAME)
     try:
         if exclusive:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = _create_private(LOCK_NAME, dir_fd, exclusive=False)
         else:
-            fd = os.open(lock_path, os.O_RDONLY)
+            fd = os.open(LOCK_NAME, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
     except OSError:
         yield
         return
@@ -116,30 +249,30 @@ def _locked(path, exclusive):
         os.close(fd)  # closing releases the lock
 
 
-def _write_tmp(path, data):
-    """data in a new temporary file in path (same filesystem, so a rename
-    into place is atomic); returns its name."""
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path)
+def _write_tmp(dir_fd, data):
+    """data in a new temporary file, mode 0600, in the directory (same
+    filesystem, so a rename into place is atomic); returns its name."""
+    name = TMP_PREFIX + secrets.token_hex(12)
+    fd = _create_private(name, dir_fd)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
     except BaseException:
-        _unlink(tmp)
+        _unlink(name, dir_fd)
         raise
-    return tmp
+    return name
 
 
-def _unlink(path):
+def _unlink(name, dir_fd=None):
     try:
-        os.remove(path)
+        os.remove(name, dir_fd=dir_fd)
     except OSError:
         pass
 
 
-def _probe_writable(path):
+def _probe_writable(dir_fd):
     try:
-        os.makedirs(path, exist_ok=True)
-        _unlink(_write_tmp(path, b""))
+        _unlink(_write_tmp(dir_fd, b""), dir_fd)
         return True
     except OSError:
         return False
@@ -174,29 +307,36 @@ def disk_info(path):
 def clear_disk(path):
     """Remove the cache's own files (entries, checks, temporaries) from path;
     anything else there is left alone. Returns how many files went."""
-    if not path or not os.path.isdir(path):
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | _DIRECTORY) if path else None
+    except OSError:
+        return 0
+    if dir_fd is None:
         return 0
     removed = 0
-    with _locked(path, exclusive=True):
-        for e in os.scandir(path):
-            if e.name.startswith(TMP_PREFIX) or e.name.endswith(_OWN_SUFFIXES):
-                try:
-                    os.remove(e.path)
-                    removed += 1
-                except OSError:
-                    pass
+    try:
+        with _locked(dir_fd, exclusive=True):
+            for e in os.scandir(dir_fd):
+                if e.name.startswith(TMP_PREFIX) or e.name.endswith(_OWN_SUFFIXES):
+                    try:
+                        os.remove(e.name, dir_fd=dir_fd)
+                        removed += 1
+                    except OSError:
+                        pass
+    finally:
+        os.close(dir_fd)
     return removed
 
 
-def _remove_stale_temps(path, older_than=3600.0):
+def _remove_stale_temps(dir_fd, older_than=3600.0):
     """Temporaries left by killed writers (never read; only take space)."""
     now = time.time()
     try:
-        for e in os.scandir(path):
+        for e in os.scandir(dir_fd):
             if e.name.startswith(TMP_PREFIX):
                 try:
-                    if now - e.stat().st_mtime > older_than:
-                        os.remove(e.path)
+                    if now - e.stat(follow_symlinks=False).st_mtime > older_than:
+                        os.remove(e.name, dir_fd=dir_fd)
                 except OSError:
                     pass
     except OSError:
@@ -212,6 +352,7 @@ class _Stats:
     def reset(self):
         self.memory_misses = 0
         self.disk_corrupt = 0
+        self.disk_untrusted = 0
         self.compile_seconds_saved = 0.0
         self.disk_load_seconds = 0.0
         self.programs_loaded = 0
@@ -219,6 +360,7 @@ class _Stats:
     def snapshot(self):
         return {"memory_cache_misses": self.memory_misses,
                 "disk_cache_corrupt": self.disk_corrupt,
+                "disk_cache_untrusted": self.disk_untrusted,
                 "compile_seconds_saved": round(self.compile_seconds_saved, 6),
                 "disk_load_seconds": round(self.disk_load_seconds, 6),
                 "programs_loaded": self.programs_loaded}
@@ -250,30 +392,34 @@ except ImportError:  # pragma: no cover - JAX moved its internals
 
 
 class DiskCache(_CacheInterface):
-    """JAX's CacheInterface over one directory: atomic, verified, optionally
-    read-only. Values are JAX's compressed entries, stored as JAX names them."""
+    """JAX's CacheInterface over one opened, trusted directory (dir_fd, from
+    open_dir): atomic, verified, optionally read-only. Values are JAX's
+    compressed entries, stored as JAX names them; only trusted files are read."""
 
-    def __init__(self, path, read_only=False):
+    def __init__(self, path, dir_fd, read_only=False):
         self.dir = path
+        self.dir_fd = dir_fd
         self._path = pathlib.Path(path)  # JAX logs it
         self.read_only = read_only
         self._write_failed = False
-
-    def _files(self, key):
-        return (os.path.join(self.dir, key + ENTRY_SUFFIX),
-                os.path.join(self.dir, key + CHECK_SUFFIX))
+        self._trusted = trusted_uids()
 
     def get(self, key):
-        entry_path, check_path = self._files(key)
         _tl.hit_compile_seconds = None
         _tl.miss_at = time.monotonic()  # a miss is followed by a compile, then put()
         try:
-            with _locked(self.dir, exclusive=False):
-                with open(entry_path, "rb") as f:
-                    value = f.read()
-                with open(check_path, "rb") as f:
-                    check = json.loads(f.read())
+            with _locked(self.dir_fd, exclusive=False):
+                value = _read_trusted(self.dir_fd, self.dir, key + ENTRY_SUFFIX, self._trusted)
+                check = json.loads(_read_trusted(self.dir_fd, self.dir, key + CHECK_SUFFIX,
+                                                 self._trusted))
         except (FileNotFoundError, NotADirectoryError):
+            return None
+        except Untrusted as e:
+            STATS.disk_untrusted += 1
+            _warn_once("untrusted", f"torchtpu: not loading compilation cache entry {e}; "
+                       "compiling instead" + ("" if self.read_only else " and replacing it")
+                       + " (further refused entries are counted in metrics "
+                       "disk_cache_untrusted)")
             return None
         except ValueError as e:  # the check file is not JSON
             self._corrupt(key, f"{type(e).__name__}: {e}")
@@ -302,16 +448,15 @@ class DiskCache(_CacheInterface):
         compile_seconds = time.monotonic() - miss_at if miss_at is not None else None
         check = json.dumps({"sha256": _sha256(value), "size": len(value),
                             "compile_seconds": compile_seconds}).encode()
-        entry_path, check_path = self._files(key)
         tmps = []
         try:
-            tmps.append(_write_tmp(self.dir, value))
-            tmps.append(_write_tmp(self.dir, check))
-            with _locked(self.dir, exclusive=True):
+            tmps.append(_write_tmp(self.dir_fd, value))
+            tmps.append(_write_tmp(self.dir_fd, check))
+            with _locked(self.dir_fd, exclusive=True):
                 # The check first: a writer killed between the two renames
                 # leaves an old entry beside a new check, which reads as a miss.
-                os.replace(tmps[1], check_path)
-                os.replace(tmps[0], entry_path)
+                self._rename(tmps[1], key + CHECK_SUFFIX)
+                self._rename(tmps[0], key + ENTRY_SUFFIX)
             tmps.clear()
         except OSError as e:
             self._write_failed = True
@@ -319,10 +464,25 @@ class DiskCache(_CacheInterface):
                        f"({type(e).__name__}: {e}); compiled kernels are kept in memory only")
         finally:
             for t in tmps:
-                _unlink(t)
+                _unlink(t, self.dir_fd)
+
+    def _rename(self, src, dst):
+        os.replace(src, dst, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
 
 
 # ---- configuration -------------------------------------------------------------
+
+def open_disk(path, read_only):
+    """A DiskCache over path, or None after one warning saying why not (the
+    directory is missing, unwritable or not trusted)."""
+    dir_fd, why = open_dir(path, read_only)
+    if dir_fd is None:
+        warnings.warn(f"torchtpu: {why}", stacklevel=3)
+        return None
+    if not read_only:
+        _remove_stale_temps(dir_fd)
+    return DiskCache(path, dir_fd, read_only)
+
 
 def _configure_disk():
     """Point JAX's persistent cache at torchtpu's directory through DiskCache;
@@ -335,25 +495,20 @@ def _configure_disk():
         warnings.warn("torchtpu: this JAX has no compilation cache backend to wrap; "
                       "the disk cache is off", stacklevel=2)
         return None, ro
-    if ro:
-        if not os.path.isdir(path):
-            warnings.warn(f"torchtpu: read-only cache directory {path} does not exist; "
-                          "compiled kernels are kept in memory only", stacklevel=2)
-            return None, ro
-    elif not _probe_writable(path):
-        warnings.warn(f"torchtpu: cache directory {path} is not writable; compiled kernels "
-                      "are kept in memory only (TORCHTPU_CACHE_READONLY=1 reads it without "
-                      "writing)", stacklevel=2)
+    disk = open_disk(path, ro)
+    if disk is None:
         return None, ro
-    else:
-        _remove_stale_temps(path)
     jax.config.update("jax_compilation_cache_dir", path)
     # Keep even the smallest per-op executables: they are most of what a
     # process compiles, and each costs milliseconds to rebuild.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # JAX would also point XLA's own GPU caches into the directory: files XLA
+    # reads without the checks above, whose path enters every entry's key (a
+    # copy of the cache at another path would miss everything).
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     _jax_cc.reset_cache()
-    _jax_cc._cache = DiskCache(path, read_only=ro)
+    _jax_cc._cache = disk
     _jax_cc._cache_initialized = True
     return path, ro
 
@@ -493,6 +648,7 @@ def stats():
         "disk_hits": m.disk_cache_hits,
         "disk_misses": m.disk_cache_misses,
         "disk_corrupt": STATS.disk_corrupt,
+        "disk_untrusted": STATS.disk_untrusted,
         "disk_entries": info.get("entries", 0),
         "disk_programs": info.get("programs", 0),
         "programs_loaded": STATS.programs_loaded,
