@@ -21,6 +21,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
+from amp import amp_training_steps  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
 from common import timings  # noqa: E402
 from fused import training_steps  # noqa: E402
@@ -80,6 +81,7 @@ per_op.columns = [("mode", "mode", "{}"), ("median", "µs per op (median)", "{:.
 
 
 BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
+              "amp_training_steps": amp_training_steps,
               "cache_warm_start": cache_warm_start, "transfers": transfers}
 
 

@@ -10,7 +10,6 @@ through to the usual kernels. Casts run ahead of autograd, so backward
 follows the same dtypes.
 """
 import functools
-import threading
 import weakref
 
 import torch
@@ -93,17 +92,12 @@ def _eligible(t):
             and t.dtype is not torch.float64)
 
 
-class _Casts(threading.local):
-    """The weight cache: per thread, as autocast's state is. id(source) ->
-    (weakref to source, source's version, cast). The weakref tells a new
-    tensor at a reused address from the one cast; the version tells a
-    weight changed in place since (an optimizer step inside the region),
-    which is cast again rather than served stale."""
-    def __init__(self):
-        self.entries = {}
-
-
-_casts = _Casts()
+# The weight cache, one for all threads as PyTorch's is: id(source) ->
+# (weakref to source, source's version, cast). The weakref tells a new tensor
+# at a reused address from the one cast; the version tells a weight changed
+# in place since (an optimizer step inside the region), which is cast again
+# rather than served stale.
+_casts = {}
 
 
 def _cached_cast(dtype, t, lower):
@@ -116,12 +110,11 @@ def _cached_cast(dtype, t, lower):
     if (dtype is lower and t.dtype is torch.float32 and t.requires_grad and t.is_leaf
             and not t._is_view() and torch.is_autocast_cache_enabled()
             and not torch._C._is_cached_tensor(t)):
-        entries = _casts.entries
-        hit = entries.get(id(t))
+        hit = _casts.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
         cast = t.to(dtype)
-        entries[id(t)] = (weakref.ref(t), t._version, cast)
+        _casts[id(t)] = (weakref.ref(t), t._version, cast)
         return cast
     return t.to(dtype)
 
@@ -158,8 +151,8 @@ def _widest(lower, values):
 
 
 def clear_cache():
-    """Drop the cached weight casts of this thread."""
-    _casts.entries.clear()
+    """Drop the cached weight casts."""
+    _casts.clear()
 
 
 def _also_clearing_ours(clear_autocast_cache):
