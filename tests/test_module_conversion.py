@@ -128,6 +128,25 @@ def test_gradient_hooks_move_with_the_parameter(mode):
     assert_same(model.embed.weight.grad, cpu.embed.weight.grad, atol=1e-5, rtol=1e-5)
 
 
+def test_optimizer_built_before_the_move_refuses_to_step():
+    # Its parameters are the replaced CPU ones, which no longer train the
+    # model: a step raises instead of silently doing nothing.
+    model = TiedLM()
+    early = torch.optim.AdamW(model.parameters())
+    model.to("tpu")
+    model(torch.tensor([[1, 2]], device="tpu")).sum().backward()
+    with pytest.raises(RuntimeError, match="build the optimizer after moving the model"):
+        early.step()
+    late = torch.optim.AdamW(model.parameters())
+    late.step()  # the model's own parameters step as usual
+    early.param_groups[0]["params"] = list(model.parameters())
+    early.step()
+    back = torch.optim.SGD(model.parameters())
+    model.to("cpu")
+    with pytest.raises(RuntimeError, match="replaced"):
+        back.step()
+
+
 def test_shared_submodule_stays_shared():
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.ReLU(), shared).to("tpu")

@@ -276,6 +276,10 @@ def test_untyped_storage_of_tpu_tensors():
         torch.empty(0, device="tpu").set_(s, 4, (2, 2), (2, 1))
     with pytest.raises(RuntimeError, match="no host memory"):
         s[0]
+    # Pickled (as multiprocessing would), it comes back as bytes on tpu.
+    copied = pickle.loads(pickle.dumps(s))
+    assert copied.device == s.device and copied.nbytes() == 24
+    assert_same(torch.empty(0, device="tpu").set_(copied, 0, (6,), (1,)), torch.arange(6.0) + 1)
 
 
 def test_tensor_with_python_attributes():

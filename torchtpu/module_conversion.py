@@ -8,15 +8,20 @@ Parameter of its own, and one parameter shared by two modules becomes two.
 PyTorch cannot keep the same object either (its class and slots differ),
 so within one conversion each original Parameter becomes one new Parameter,
 put in every module that held the original, with the original's gradient
-hooks. Optimizers hold the objects they were given: build them after the
-move, as PyTorch's docs ask for CUDA too.
+hooks. An optimizer holds the objects it was given: one built before the
+move would step the replaced parameters, which no longer train anything, so
+its step raises instead (build it after the move, as PyTorch's docs ask for
+CUDA too).
 """
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .tensor import TpuTensor
+from .tensor import DEVICE, TpuTensor
 
 _module_apply = nn.Module._apply
+# Parameters some conversion replaced, while anything still holds them.
+_replaced = WeakIdKeyDictionary()
 
 
 class _ConvertOnce:
@@ -58,6 +63,7 @@ def _apply(self, fn, recurse=True):
         if first is None:
             convert.replaced[id(old)] = new
             _carry_hooks(old, new)
+            _replaced[old] = True
         elif first is not new:
             self._parameters[key] = first
     return result
@@ -73,8 +79,25 @@ def _carry_hooks(old, new):
         new._post_accumulate_grad_hooks = old._post_accumulate_grad_hooks
 
 
+def _refuse_replaced_parameters(optimizer, args, kwargs):
+    """A global optimizer step pre-hook: a step over parameters a module
+    conversion replaced would train nothing, silently."""
+    if not _replaced:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in _replaced:
+                raise RuntimeError(
+                    f"torchtpu: {type(optimizer).__name__} holds parameters that a module's .to() "
+                    f"replaced (moving a module to or from {DEVICE.type} makes new Parameter "
+                    f"objects: a {DEVICE.type} tensor is another Python class), so its step would "
+                    "train nothing; build the optimizer after moving the model")
+
+
 def install():
     nn.Module._apply = _apply
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    register_optimizer_step_pre_hook(_refuse_replaced_parameters)
 
 
 __all__ = ["install"]

@@ -18,13 +18,14 @@ subclasses stand in for one:
 """
 import collections
 import importlib.util
+import io
 import math
 import re
 import weakref
 
 import torch
 
-from . import dispatch, modes, runtime
+from . import dispatch, modes, properties, runtime
 from .tensor import DEVICE, Storage, TpuTensor, contiguous_strides
 
 aten = torch.ops.aten
@@ -43,9 +44,17 @@ class _OnTpu(torch.UntypedStorage):
     def device(self):
         return DEVICE
 
-    @property
-    def is_cuda(self):
-        return False
+    def __reduce__(self):
+        # As UntypedStorage pickles itself (a legacy torch.save), through a
+        # TypedStorage: torch.save knows storage subclasses only inside one.
+        buffer = io.BytesIO()
+        typed = torch.storage.TypedStorage(wrap_storage=self, dtype=torch.uint8, _internal=True)
+        torch.save(typed, buffer, _use_new_zipfile_serialization=False)
+        return _untyped_from_bytes, (buffer.getvalue(),)
+
+
+def _untyped_from_bytes(data):
+    return torch.load(io.BytesIO(data), weights_only=False)._untyped_storage
 
 
 # Device addresses for data_ptr(): one range per storage, never reused, so
@@ -68,7 +77,7 @@ class TpuStorage(_OnTpu):
         _next_address += -(-max(self._nbytes, 1) // 4096) * 4096
         return self
 
-    def storage(self):
+    def tpu_storage(self):
         storage = self._ref()
         if storage is None:
             raise RuntimeError("torchtpu: this storage's tensors are gone; its data was freed")
@@ -88,17 +97,14 @@ class TpuStorage(_OnTpu):
 
     def cpu(self):
         """A CPU copy of the bytes (a sync point: torch.save writes this)."""
-        storage = self.storage()
+        storage = self.tpu_storage()
         whole = TpuTensor(storage, storage.array.shape, self._dtype)
         modes.note_sync("cpu")  # as t.cpu() names its read
         return dispatch.download(whole).untyped_storage()
 
     def _write_file(self, *args):
-        # The legacy format (and pickle of a storage) writes the C++ bytes.
+        # The legacy format (and so pickle) writes the C++ bytes.
         return self.cpu()._write_file(*args)
-
-    def __reduce__(self):
-        return self.cpu().__reduce__()
 
     def _refuse(self, *args, **kwargs):
         raise RuntimeError("torchtpu: a tpu storage has no host memory; read or write "
@@ -183,7 +189,7 @@ def _set_storage(t, source, storage_offset=0, size=None, stride=None):
     if isinstance(source, LoadedStorage):
         storage = source.upload(t.dtype)
     elif isinstance(source, TpuStorage):
-        storage = source.storage()
+        storage = source.tpu_storage()
     else:
         raise RuntimeError(f"Expected a storage on {DEVICE} for set_ of a tpu tensor, "
                            f"got one on {source.device}")
@@ -218,6 +224,7 @@ def _restore(storage, location):
         raise RuntimeError(f"Attempting to deserialize object on TPU device {index} but "
                            f"torch.tpu.device_count() is {torch.tpu.device_count()}. Please use "
                            "torch.load with map_location to map your storages to an existing device.")
+    properties.check_index(index)
     if isinstance(storage, _OnTpu):
         return storage
     loaded = LoadedStorage(storage.nbytes())
