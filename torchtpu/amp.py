@@ -16,6 +16,7 @@ import torch
 
 from .ops import amp as grad_scaler_ops
 from .ops.pointwise import _TORCH_NAMES
+from .tensor import TpuTensor
 
 aten = torch.ops.aten
 
@@ -88,8 +89,10 @@ def op_of(name):
 def _eligible(t):
     """Whether autocast casts t: a floating-point tpu tensor, not float64
     (CUDA's is_eligible)."""
-    return (isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == "tpu"
-            and t.dtype is not torch.float64)
+    if not isinstance(t, TpuTensor):
+        return False
+    dtype = t.dtype
+    return dtype.is_floating_point and dtype is not torch.float64
 
 
 # The weight cache, one for all threads as PyTorch's is: id(source) ->
@@ -105,9 +108,12 @@ def _cached_cast(dtype, t, lower):
     grad (model weights) to the autocast dtype are cached while
     cache_enabled, until the outermost autocast region exits (CUDA's
     heuristic), so a weight used twice is cast once."""
-    if not _eligible(t) or t.dtype is dtype:
+    if not isinstance(t, TpuTensor):
         return t
-    if (dtype is lower and t.dtype is torch.float32 and t.requires_grad and t.is_leaf
+    src = t.dtype
+    if src is dtype or not src.is_floating_point or src is torch.float64:
+        return t
+    if (dtype is lower and src is torch.float32 and t.requires_grad and t.is_leaf
             and not t._is_view() and torch.is_autocast_cache_enabled()
             and not torch._C._is_cached_tensor(t)):
         hit = _casts.get(id(t))
