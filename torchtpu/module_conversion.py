@@ -13,15 +13,22 @@ move would step the replaced parameters, which no longer train anything, so
 its step raises instead (build it after the move, as PyTorch's docs ask for
 CUDA too).
 """
+import weakref
+
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .tensor import DEVICE, TpuTensor
 
 _module_apply = nn.Module._apply
-# Parameters some conversion replaced, while anything still holds them.
-_replaced = WeakIdKeyDictionary()
+# Parameters some conversion replaced, while anything still holds them:
+# id -> weak reference (a dict of ids: optimizers look each parameter up).
+_replaced = {}
+
+
+def _note_replaced(p):
+    key = id(p)
+    _replaced[key] = weakref.ref(p, lambda _, key=key: _replaced.pop(key, None))
 
 
 class _ConvertOnce:
@@ -63,7 +70,7 @@ def _apply(self, fn, recurse=True):
         if first is None:
             convert.replaced[id(old)] = new
             _carry_hooks(old, new)
-            _replaced[old] = True
+            _note_replaced(old)
         elif first is not new:
             self._parameters[key] = first
     return result
@@ -86,7 +93,8 @@ def _refuse_replaced_parameters(optimizer, args, kwargs):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in _replaced:
+            held = _replaced.get(id(p))
+            if held is not None and held() is p:
                 raise RuntimeError(
                     f"torchtpu: {type(optimizer).__name__} holds parameters that a module's .to() "
                     f"replaced (moving a module to or from {DEVICE.type} makes new Parameter "
