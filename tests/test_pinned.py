@@ -152,3 +152,24 @@ def test_upload_overwritten_in_a_flush_before_the_sync_point():
         torch.tpu.synchronize()
         pinned.fill_(0)
         assert_same(x, src * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_large_uploads_and_empties(mode, dtype):
+    """Over 1 MiB, uploads and empty tensors take another path on the CPU
+    platform (fresh aligned host buffers handed to JAX): the same results."""
+    src = (torch.randn(520, 1024) * 8).to(dtype)
+    expect = src.clone()
+    x = src.to("tpu")
+    src.zero_()  # the upload is a copy
+    assert_same(x, expect, rtol=0, atol=0)
+    e = torch.empty(520, 1024, dtype=dtype, device="tpu")
+    assert e.shape == (520, 1024) and e.dtype == dtype and e.stride() == (1024, 1)
+    e.fill_(1)
+    e[0, :3] = x[0, :3]
+    assert_same(e[0, :4], torch.cat([expect[0, :3], torch.ones(1, dtype=dtype)]), rtol=0, atol=0)
+    assert_same(e[1:].sum(), torch.ones(519, 1024, dtype=dtype).sum())
+    s = torch.empty_strided((520, 1024), (1024, 1), dtype=dtype, device="tpu")
+    assert s.stride() == (1024, 1)
+    c = torch.empty(8, 64, 32, 32, dtype=dtype, device="tpu", memory_format=torch.channels_last)
+    assert c.stride() == torch.empty(8, 64, 32, 32, memory_format=torch.channels_last).stride()

@@ -1,5 +1,6 @@
 """The tpu device: PrivateUse1 for a pure-Python backend, factory kernels, and
 the torch.tpu device module."""
+import math
 import types
 import warnings
 
@@ -93,6 +94,33 @@ def _factory(op):
     return kernel
 
 
+# On the CPU platform device memory is host memory, and a zeros kernel runs
+# before it returns (about 0.4 ms per MiB): a large empty tensor (as
+# .to("tpu") allocates for its copy) is made from a fresh host buffer instead.
+_HOST_EMPTY_MIN_BYTES = 1 << 20
+
+
+def _empty(op):
+    default = _factory(op)
+
+    def kernel(size, *args, **kwargs):
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        if (runtime.PLATFORM != "cpu" or dtype == torch.complex32
+                or math.prod(size) * dtype.itemsize < _HOST_EMPTY_MIN_BYTES):
+            return default(size, *args, **kwargs)
+        from . import modes
+        from .tensor import Storage, TpuTensor, contiguous_strides
+        size = tuple(size)
+        if op is aten.empty_strided.default:
+            dense = tuple(args[0]) == contiguous_strides(size)
+        else:
+            dense = kwargs.get("memory_format") in (None, torch.contiguous_format)
+        if dense and kwargs.get("layout") in (None, torch.strided) and modes.current().name != "fused":
+            return TpuTensor(Storage(runtime.host_zeros(size, dtype)), size, dtype)
+        return default(size, *args, **kwargs)
+    return kernel
+
+
 # Factories whose CompositeExplicit kernels would build the result through an
 # out= op (arange -> arange.start_out) go straight to their functional
 # lowering; (overload, to(args) -> (overload, args)) normalizes the aliases.
@@ -173,7 +201,7 @@ def register_kernels():
                  "full", "zeros", "ones"):
         op = getattr(aten, name.split(".")[0])
         op = getattr(op, name.split(".")[1] if "." in name else "default")
-        _lib.impl(name, _factory(op), "PrivateUse1")
+        _lib.impl(name, (_empty if name.startswith("empty") else _factory)(op), "PrivateUse1")
     for name, normalize in _FACTORIES.items():
         _lib.impl(name.replace(".default", ""), _lowered_factory(normalize), "PrivateUse1")
     from .ops.nn import scaled_dot_product_attention

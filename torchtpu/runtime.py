@@ -136,16 +136,42 @@ def to_device(t: torch.Tensor, dev=None, non_blocking=False):
     else:
         host = t.numpy()
     if not non_blocking:
-        return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
+        return jax.device_put(_host_copy(host), dev or DEVICES[0])
     arr = jax.device_put(host, dev or DEVICES[0])
     if PLATFORM == "cpu" and arr.unsafe_buffer_pointer() == host.ctypes.data:
         # The CPU platform takes a 64-byte-aligned host buffer as the array
         # itself (whatever may_alias says), and only copies others, in the
         # background (torchtpu.pinned makes its buffers so): the tensor
         # must not be the user's buffer, so copy it here.
-        return jax.device_put(np.array(host, copy=True), dev or DEVICES[0])
+        return jax.device_put(_host_copy(host), dev or DEVICES[0])
     _note_in_flight(arr)
     return arr
+
+
+def _aligned(shape, np_dtype, alloc=np.empty):
+    """A fresh host array at a 64-byte boundary: the CPU platform takes such
+    a buffer as the device array itself, where it copies any other."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    raw = alloc(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + nbytes].view(np_dtype).reshape(shape)
+
+
+def _host_copy(host):
+    """A private copy of host to upload (on the CPU platform, aligned, so the
+    upload is that copy and not a second one)."""
+    if PLATFORM != "cpu":
+        return np.array(host, copy=True)
+    out = _aligned(host.shape, host.dtype)
+    np.copyto(out, host)
+    return out
+
+
+def host_zeros(shape, dtype):
+    """The CPU platform only: a zero-filled array on the device whose memory
+    is a fresh host buffer (the OS zeroes its pages when first touched),
+    made at once, where a zeros kernel would fill it before returning."""
+    return jax.device_put(_aligned(shape, np.dtype(jax_dtype(dtype)), np.zeros), DEVICES[0])
 
 
 def to_host(arr, dtype=None) -> torch.Tensor:
