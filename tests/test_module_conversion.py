@@ -147,6 +147,21 @@ def test_optimizer_built_before_the_move_refuses_to_step():
         back.step()
 
 
+def test_with_swapping_conversion_on(monkeypatch):
+    # torch.__future__'s swap flag: parameters on CPU are swapped in place as
+    # PyTorch does; to and from tpu they are replaced, ties kept.
+    monkeypatch.setattr(torch.__future__, "_swap_module_params_on_conversion", True)
+    model = TiedLM()
+    weight = model.mid.weight
+    model.to(torch.float64)
+    assert model.mid.weight is weight and weight.dtype == torch.float64
+    model.to("tpu")
+    _check_tied(model, "tpu", torch.float64)
+    model.to("cpu")
+    _check_tied(model, "cpu", torch.float64)
+    assert torch.__future__.get_swap_module_params_on_conversion()
+
+
 def test_shared_submodule_stays_shared():
     shared = nn.Linear(3, 3)
     model = nn.Sequential(shared, nn.ReLU(), shared).to("tpu")

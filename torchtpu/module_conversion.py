@@ -57,7 +57,32 @@ class _ConvertOnce:
 
 
 def _apply(self, fn, recurse=True):
-    convert = fn if isinstance(fn, _ConvertOnce) else _ConvertOnce(fn)
+    if isinstance(fn, _ConvertOnce):
+        return _apply_tree(self, fn, recurse)
+    convert = _ConvertOnce(fn)
+    if not (torch.__future__.get_swap_module_params_on_conversion() and _to_or_from_tpu(self, convert)):
+        return _apply_tree(self, convert, recurse)
+    # Swapping cannot turn a parameter into a tpu tensor or back (their
+    # classes' slots differ): such a conversion replaces parameters instead.
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        return _apply_tree(self, convert, recurse)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+
+
+def _to_or_from_tpu(module, convert):
+    """Whether the conversion takes the module's first parameter to or from
+    tpu (converting it once, for the call to reuse)."""
+    p = next(module.parameters(), None)
+    if p is None:
+        return False
+    with torch.no_grad():
+        convert(p)
+    return id(p) in convert.converted
+
+
+def _apply_tree(self, convert, recurse):
     before = list(self._parameters.items())
     result = _module_apply(self, convert, recurse)
     for key, old in before:
