@@ -6,12 +6,18 @@ d=256, 4 heads, seq 128, batch 8, vocab 512, AdamW), each run in its own
 subprocess: cold with an empty TORCHTPU_CACHE_DIR, warm with a directory an
 earlier process filled. Median of `repeats` runs per mode.
 
+The figure that counts is the time after `import torch, jax` (what torchtpu
+itself does: its own import, building the model's kernels, compiling or
+loading them, running the step), warm over cold.
+
     python benchmarks/cache_warm_start.py [--repeats 3] [--modes strict fused]
+    python benchmarks/cache_warm_start.py --profile fused   # where a warm start goes
 
 `cache_warm_start()` returns rows for benchmarks/run.py (title and columns
 attached like its other benchmarks).
 """
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -25,11 +31,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _child():
+def _child(profile_to=None):
     """One process: import, build, one training step, report."""
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
+    import jax  # noqa: F401
     import torch
+    libs_imported = time.time()
+    profiler = None
+    if profile_to:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     import torch.nn.functional as F
 
     import torchtpu
@@ -47,56 +60,68 @@ def _child():
     opt.step()
     value = loss.item()
     done = time.time()
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile_to)
     snap = torchtpu.metrics.snapshot()
     print("RESULT " + json.dumps({
-        "imported": imported, "done": done, "loss": value,
+        "libs_imported": libs_imported, "imported": imported, "done": done, "loss": value,
         "stats": torchtpu.cache.stats(),
         "fallbacks": snap["cpu_fallbacks"],
         "graphs_compiled": snap.get("graphs_compiled", 0),
     }), flush=True)
 
 
-def _run_once(mode, cache_dir):
+def _run_once(mode, cache_dir, profile_to=None):
     env = dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir, TORCHTPU_EAGER_MODE=mode)
     env.pop("TORCHTPU_CACHE_READONLY", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+    if profile_to:
+        cmd += ["--profile-to", profile_to]
     start = time.time()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} run failed:\n{proc.stderr[-3000:]}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     r = json.loads(line[len("RESULT "):])
     r["total"] = r["done"] - start
-    r["import"] = r["imported"] - start
+    r["libs"] = r["libs_imported"] - start            # interpreter + import torch, jax
+    r["after"] = r["done"] - r["libs_imported"]       # what torchtpu does
+    r["torchtpu_import"] = r["imported"] - r["libs_imported"]
     return r
 
 
 def cache_warm_start(repeats=3, modes=("strict", "fused")):
     """Rows: per mode and cache state, median seconds from process start to
-    the first finished step (and to the end of `import torchtpu`), with the
-    compilations and disk hits of the last run."""
+    the first finished step, of it importing torch and JAX, and after that
+    import (warm over cold on this), with the compilations and disk hits of
+    the last run. Cold and warm runs alternate, so both see the same load."""
     rows = []
     for mode in modes:
         work = tempfile.mkdtemp(prefix="torchtpu-bench-cache-")
         try:
-            cold = []
+            filled = os.path.join(work, "filled")
+            _run_once(mode, filled)  # the warm runs read this cache
+            cold, warm = [], []
             for i in range(repeats):
-                d = os.path.join(work, f"cold{i}")
-                cold.append(_run_once(mode, d))
-            filled = os.path.join(work, "cold0")  # the warm runs read the first cold run's cache
-            warm = [_run_once(mode, filled) for _ in range(repeats)]
+                cold.append(_run_once(mode, os.path.join(work, f"cold{i}")))
+                warm.append(_run_once(mode, filled))
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        cold_after = statistics.median(r["after"] for r in cold)
         cold_total = statistics.median(r["total"] for r in cold)
         for state, runs in (("cold", cold), ("warm", warm)):
             last = runs[-1]
+            after = statistics.median(r["after"] for r in runs)
             total = statistics.median(r["total"] for r in runs)
             rows.append({
                 "mode": mode, "cache": state,
                 "total": total,
-                "import": statistics.median(r["import"] for r in runs),
-                "step": statistics.median(r["total"] - r["import"] for r in runs),
-                "of_cold": total / cold_total,
+                "libs": statistics.median(r["libs"] for r in runs),
+                "after": after,
+                "torchtpu_import": statistics.median(r["torchtpu_import"] for r in runs),
+                "after_of_cold": after / cold_after,
+                "total_of_cold": total / cold_total,
                 "compile": statistics.median(r["stats"]["compile_seconds"] for r in runs),
                 "compilations": last["stats"]["compilations"],
                 "disk_hits": last["stats"]["disk_hits"],
@@ -109,27 +134,108 @@ def cache_warm_start(repeats=3, modes=("strict", "fused")):
 
 cache_warm_start.title = ("Time to the first training step (process start to the first "
                           "`loss.item()`), small GPT 4x256 h4 seq128 b8 AdamW, cold vs warm "
-                          "compilation cache, median over separate processes")
+                          "compilation cache, median over separate processes; \"after import\" "
+                          "starts once `import torch, jax` is done")
 cache_warm_start.columns = [
     ("mode", "mode", "{}"), ("cache", "cache", "{}"),
-    ("total", "s to first step", "{:.2f}"), ("import", "s of it importing", "{:.2f}"),
-    ("step", "s after import", "{:.2f}"), ("of_cold", "vs cold", "{:.0%}"),
+    ("total", "s to first step", "{:.2f}"), ("total_of_cold", "vs cold", "{:.0%}"),
+    ("libs", "s importing torch, jax", "{:.2f}"),
+    ("after", "s after import", "{:.2f}"), ("after_of_cold", "after import, vs cold", "{:.0%}"),
+    ("torchtpu_import", "of it import torchtpu", "{:.2f}"),
     ("compile", "s compiling", "{:.2f}"), ("compilations", "compilations", "{}"),
     ("disk_hits", "disk hits", "{}"), ("fallbacks", "CPU fallbacks", "{}"),
 ]
 
 
+# ---- where a warm start goes ---------------------------------------------------
+
+# What a warm start does, as the functions that do it (file suffix, function
+# name); each line's time is the cumulative time of its outermost calls.
+ACTIVITIES = [
+    ("import torchtpu", "torchtpu/__init__.py", "<module>"),
+    ("  of it: torch._dynamo (imported by torch.compile's backend registration)",
+     "torch/_dynamo/__init__.py", "<module>"),
+    ("all imports during the run (torchtpu's, and torch's and JAX's lazy ones)",
+     "<frozen importlib._bootstrap>", "_find_and_load"),
+    ("dispatching ops (torchtpu, from __torch_dispatch__ on)", "torchtpu/tensor.py",
+     "__torch_dispatch__"),
+    ("  of it: meta kernels for output shapes (dispatch)", "torchtpu/dispatch.py", "_run_meta"),
+    ("  of it: abstract traces of per-op kernels (fused, jax.eval_shape)",
+     "torchtpu/modes/fused.py", "_abstract"),
+    ("tracing kernels to jaxprs (JAX; strict: each per-op kernel)", "jax/_src/pjit.py",
+     "_infer_params"),
+    ("lowering jaxprs to StableHLO (JAX)", "jax/_src/interpreters/pxla.py",
+     "lower_sharding_computation"),
+    ("compiling or loading executables through JAX's cache", "jax/_src/compiler.py",
+     "compile_or_get_cached"),
+    ("  of it: reading entries (torchtpu's disk cache)", "torchtpu/cache.py", "get"),
+    ("loading stored fused-graph executables (torchtpu)", "torchtpu/cache.py", "_load_program"),
+    ("waiting for the device's results", "jax/_src/array.py", "_value"),
+]
+
+
+def _group(filename):
+    """torchtpu's modules by name; everything else by package."""
+    if "/torchtpu/" in filename:
+        return "torchtpu/" + filename.rsplit("/torchtpu/", 1)[1]
+    for pkg in ("torch", "jax", "jaxlib", "numpy"):
+        if f"/site-packages/{pkg}/" in filename:
+            return pkg
+    if filename.startswith("<frozen"):
+        return "Python import system"
+    if filename == "~":
+        return "C functions (XLA, torch's C++, builtins)"
+    return "other Python"
+
+
+def profile_warm(mode, top=12):
+    """Fill a cache, then profile a warm run after `import torch, jax`:
+    returns (lines of activities with seconds, self time by module)."""
+    import pstats
+    work = tempfile.mkdtemp(prefix="torchtpu-bench-profile-")
+    try:
+        filled = os.path.join(work, "cache")
+        _run_once(mode, filled)
+        out = os.path.join(work, "warm.prof")
+        r = _run_once(mode, filled, profile_to=out)
+        stats = pstats.Stats(out).stats
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    activities = []
+    for label, file_suffix, name in ACTIVITIES:
+        seconds = sum(ct for (f, _, fn), (_, _, _, ct, _) in stats.items()
+                      if fn == name and f.endswith(file_suffix))
+        activities.append((label, seconds))
+    by_group = collections.Counter()
+    for (f, _, _), (_, _, tt, _, _) in stats.items():
+        by_group[_group(f)] += tt
+    return r, activities, by_group.most_common(top)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-to", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["strict", "fused"])
+    p.add_argument("--profile", metavar="MODE", help="profile a warm run in MODE instead")
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = p.parse_args(argv)
     if args.child:
-        _child()
+        _child(args.profile_to)
         return
-    from run import table
+    from common import table
+    if args.profile:
+        r, activities, by_group = profile_warm(args.profile)
+        print(f"\nWarm {args.profile} start, {r['after']:.2f} s after `import torch, jax` "
+              f"({r['stats']['compilations']} compilations, {r['stats']['disk_hits']} disk "
+              "hits), under cProfile (which slows Python code down):\n")
+        for label, seconds in activities:
+            print(f"  {seconds:6.2f} s  {label}")
+        print("\nSelf time by module:\n")
+        for group, seconds in by_group:
+            print(f"  {seconds:6.2f} s  {group}")
+        return
     rows = cache_warm_start(args.repeats, tuple(args.modes))
     print(f"\n{cache_warm_start.title}\n\n{table(cache_warm_start, rows)}\n")
     for r in rows:

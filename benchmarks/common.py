@@ -1,4 +1,4 @@
-"""Timing shared by the benchmarks."""
+"""Helpers shared by the benchmarks: timing and the tables they print."""
 import statistics
 import time
 
@@ -14,3 +14,13 @@ def timings(fn, repeats, warmup=1):
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), min(times)
+
+
+def table(bench, rows):
+    """A markdown table of rows, with the columns (key, title, format) that
+    the benchmark function carries as bench.columns."""
+    head = [title for _, title, _ in bench.columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in bench.columns) + " |")
+    return "\n".join(lines)

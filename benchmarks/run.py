@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torchtpu  # noqa: E402
 from amp import amp_training_steps  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
-from common import timings  # noqa: E402
+from common import table, timings  # noqa: E402
 from fused import training_steps  # noqa: E402
 from transfers import transfers  # noqa: E402
 
@@ -86,14 +86,6 @@ BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
 
 
 # ---- output -------------------------------------------------------------------
-
-def table(bench, rows):
-    head = [title for _, title, _ in bench.columns]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    for row in rows:
-        lines.append("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in bench.columns) + " |")
-    return "\n".join(lines)
-
 
 def write_section(name, text):
     """Replace the text between <!-- bench:name --> and <!-- /bench:name --> in the doc."""
