@@ -298,12 +298,29 @@ def _cache_structure(device):
         (d1,), (d2,) = _cast_nodes(F.linear(x, h)), _cast_nodes(F.linear(x, h))
         assert d1 is not d2
     (y1 * 2 + y2).float().sum().backward()   # both uses reach w through one cast
-    return w.grad
+    grads = [w.grad.clone()]
+    # A cast cached under no_grad serves a later use that needs the gradient.
+    w.grad = None
+    with torch.autocast(device, dtype=BF16):
+        with torch.no_grad():
+            assert not F.linear(x, w).requires_grad
+        y = F.linear(x, w)
+        (c7,), (c8,) = _cast_nodes(y), _cast_nodes(F.linear(x, w))
+        assert c7 is c8
+    y.float().sum().backward()
+    grads.append(w.grad)
+    # Inference mode caches nothing (its tensors could not serve autograd).
+    with torch.autocast(device, dtype=BF16):
+        with torch.inference_mode():
+            assert F.linear(x, w).dtype == BF16
+        assert F.linear(x, w).requires_grad
+    return grads
 
 
 def test_weight_cache():
     # PyTorch's own cache on CPU has the same structure.
-    assert_same(_cache_structure("tpu"), _cache_structure("cpu"))
+    for got, ref in zip(_cache_structure("tpu"), _cache_structure("cpu")):
+        assert_same(got, ref)
 
 
 def test_weight_changed_in_place_is_cast_again():

@@ -106,8 +106,8 @@ _casts = {}
 def _cached_cast(dtype, t, lower):
     """t as dtype if autocast casts it. Casts of float32 leaves that need
     grad (model weights) to the autocast dtype are cached while
-    cache_enabled, until the outermost autocast region exits (CUDA's
-    heuristic), so a weight used twice is cast once."""
+    cache_enabled and outside inference mode, until the outermost autocast
+    region exits (CUDA's heuristic), so a weight used twice is cast once."""
     if not isinstance(t, TpuTensor):
         return t
     src = t.dtype
@@ -115,11 +115,14 @@ def _cached_cast(dtype, t, lower):
         return t
     if (dtype is lower and src is torch.float32 and t.requires_grad and t.is_leaf
             and not t._is_view() and torch.is_autocast_cache_enabled()
-            and not torch._C._is_cached_tensor(t)):
+            and not torch._C._is_cached_tensor(t) and not torch.is_inference_mode_enabled()):
         hit = _casts.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
-        cast = t.to(dtype)
+        # Cast with autograd on, as PyTorch does: a cast made under no_grad
+        # may be served to a later use that needs its gradient.
+        with torch.enable_grad():
+            cast = t.to(dtype)
         _casts[id(t)] = (weakref.ref(t), t._version, cast)
         return cast
     return t.to(dtype)
