@@ -274,6 +274,8 @@ def test_untyped_storage_of_tpu_tensors():
     assert_same(alias, (torch.arange(6.0) + 1)[2:].view(2, 2))
     with pytest.raises(RuntimeError, match="out of bounds"):
         torch.empty(0, device="tpu").set_(s, 4, (2, 2), (2, 1))
+    with pytest.raises(RuntimeError, match="cannot view"):
+        torch.empty(0, dtype=torch.int32, device="tpu").set_(s, 0, (6,), (1,))
     with pytest.raises(RuntimeError, match="no host memory"):
         s[0]
     # Pickled (as multiprocessing would), it comes back as bytes on tpu.

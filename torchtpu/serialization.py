@@ -189,6 +189,11 @@ def _set_storage(t, source, storage_offset=0, size=None, stride=None):
     if isinstance(source, LoadedStorage):
         storage = source.upload(t.dtype)
     elif isinstance(source, TpuStorage):
+        if source._dtype != t.dtype:
+            # CPU would reinterpret the bytes; a tpu storage's array has
+            # one dtype, and reading it as another would give wrong values.
+            raise RuntimeError(f"set_: a {t.dtype} tpu tensor cannot view the storage of "
+                               f"{source._dtype} tensors (use .view({t.dtype}) on a tensor)")
         storage = source.tpu_storage()
     else:
         raise RuntimeError(f"Expected a storage on {DEVICE} for set_ of a tpu tensor, "
