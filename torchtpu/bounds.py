@@ -2,12 +2,13 @@
 the next sync point (as CUDA's device-side assert, with a clear message).
 
 Each indexing kernel (errors.BOUNDS names the ops and their index arguments)
-computes, beside its results, a small int64 flag: which index argument held
-an out-of-range value (0: none), that value, its position, the dimension and
-its size. The dispatcher hands the flag here (note) with the op and the
-user's line; nothing is read then. At each sync point the executors call
-check(): the flags that exist by then are read together, in one transfer,
-and the first out-of-range one raises the exception CPU raises.
+checks its indices on device and merges the outcome into one small int64
+flag that every checked kernel takes and returns (`running`): how many ops
+it covers, which of them was the first out of range, that value, its
+position, the dimension and its size. The dispatcher hands the new flag here
+(note) with the op and the user's line; nothing is read then. At each sync
+point the executors call check(): the flag is read, in one small transfer,
+and the first out-of-range index raises the exception CPU raises.
 
 What a bad op produced is garbage, and so is what was computed from it
 before its flag was read (a loss, gradients, parameters an optimizer
@@ -24,13 +25,13 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from . import errors
+from . import errors, runtime  # noqa: F401  (runtime first: int64 flags need x64)
 from .tensor import Lost, Pending, Storage
 
 # The check's switch (for measuring its cost; kernels read it when built).
 ON = os.environ.get("TORCHTPU_INDEX_CHECKS", "1") != "0"
-# Unread flags at which check() reads those that exist (a loop that never
-# syncs would otherwise hold one flag per indexing op).
+# Checked ops at which the flag is read (a loop that never syncs would
+# otherwise keep a record of every indexing op).
 MAX_UNREAD = 1024
 
 
@@ -52,17 +53,21 @@ def kernel_bound(plan):
 
 
 # ---- on device ---------------------------------------------------------------
+# One flag for all checked ops since the last check, threaded through their
+# kernels (each takes the flag so far and returns it merged with its own), so a
+# sync point reads one small array and a fused graph has one more output:
+# int64[7] = (checked ops merged, 1 + which of them was the first out of range
+# or 0, how many were, then that first one's value, flat position, dim, size).
+_FLAG_SIZE = 7
 
-def device_flag(bound, args, kwargs):
-    """The flag of one call (traced inside the op's kernel): int64[5] =
-    (1 + which index argument is out of range, or 0; its first bad value;
-    that value's flat position; the dimension; its size)."""
-    zero = jnp.zeros((), jnp.int64)
-    flag = (zero, zero, zero, zero, zero)
+
+def device_flag(bound, args, kwargs, before):
+    """The flag `before` merged with this call's (traced inside the op's kernel)."""
+    hit = jnp.zeros((), jnp.bool_)
+    found = (jnp.zeros((), jnp.int64),) * 4
     checks = bound.spec(*args, **kwargs)
-    # The first bad argument wins: fold from the last.
-    for i in reversed(range(len(checks))):
-        index, dim, size, negative_ok, *allowed = checks[i]
+    # The first bad index argument wins: fold from the last.
+    for index, dim, size, negative_ok, *allowed in reversed(checks):
         if index is None or getattr(index, "size", 0) == 0:
             continue
         flat = index.reshape(-1).astype(jnp.int64)
@@ -70,61 +75,80 @@ def device_flag(bound, args, kwargs):
         if allowed:
             bad = bad & (flat != allowed[0])
         pos = jnp.argmax(bad)
-        hit = bad[pos]
-        found = (jnp.int64(i + 1), flat[pos], pos.astype(jnp.int64), jnp.int64(dim), jnp.int64(size))
-        flag = tuple(jnp.where(hit, f, old) for f, old in zip(found, flag))
-    return jnp.stack(flag)
+        mine = (flat[pos], pos.astype(jnp.int64), jnp.int64(dim), jnp.int64(size))
+        found = tuple(jnp.where(bad[pos], m, f) for m, f in zip(mine, found))
+        hit = hit | bad[pos]
+    count = before[0] + 1
+    first = hit & (before[1] == 0)
+    head = (count, jnp.where(first, count, before[1]), before[2] + hit.astype(jnp.int64))
+    tail = tuple(jnp.where(first, f, b) for f, b in zip(found, before[3:]))
+    return jnp.stack(head + tail)
 
 
-# ---- pending flags and what depends on them ------------------------------------
+def _blank():
+    return jnp.zeros((_FLAG_SIZE,), jnp.int64)
+
+
+# The merged flag of the checked ops issued since the last check (a Storage:
+# fused mode materializes what one holds) and the one debug mode passes (it
+# checked on the host; its flag is dropped).
+running = Storage(_blank())
+idle = Storage(_blank())
+
+
+def flag_input(debug):
+    return idle if debug else running
+
+
+# ---- what depends on unread checks ----------------------------------------------
 
 class _Check:
-    """One unread flag: the op, where the user issued it, how to report it."""
-    __slots__ = ("flag", "bound", "func", "line")
+    """A checked op whose flag is unread: the op, where the user issued it,
+    how to report it."""
+    __slots__ = ("bound", "func", "line")
 
-    def __init__(self, flag, bound, func, line):
-        self.flag = Storage(flag)  # a Storage: fused mode materializes what one holds
+    def __init__(self, bound, func, line):
         self.bound = bound
         self.func = func
         self.line = line
 
 
-_unread = []  # _Check, in issue order
-# id(storage) -> (weak reference to it, frozenset of the _Checks its value
-# depends on); empty whenever no flag is unread.
+_unread = []  # _Check per op merged into `running`, in issue order
+# id(storage) -> (weak reference to it, the unread checks its value depends
+# on: bit k for _unread[k]); empty whenever no flag is unread. An entry whose
+# storage died stays until then (its id may be reused: the reference tells).
 tainted = {}
-
-
-def _forget(key):
-    return lambda ref: tainted.pop(key, None)
+# Entries at which the flag is read (a loop that never syncs).
+MAX_TAINTED = 100_000
 
 
 def _taint(storages, deps):
     for s in storages:
         key = id(s)
         old = tainted.get(key)
-        if old is None:
-            tainted[key] = (weakref.ref(s, _forget(key)), deps)
-        elif not deps <= old[1]:
-            tainted[key] = (old[0], old[1] | deps)
+        if old is not None and old[0]() is s:
+            if deps | old[1] != old[1]:
+                tainted[key] = (old[0], old[1] | deps)
+        else:
+            tainted[key] = (weakref.ref(s), deps)
 
 
 def _deps(storages):
-    deps = None
+    deps = 0
     for s in storages:
         entry = tainted.get(id(s))
-        if entry is not None:
-            deps = entry[1] if deps is None or deps is entry[1] else deps | entry[1]
+        if entry is not None and entry[0]() is s:
+            deps |= entry[1]
     return deps
 
 
 def note(bound, func, flag, inputs, produced, line):
-    """A checked op ran (or was recorded): its flag, unread; what it produced
-    depends on it and on whatever its inputs depend on."""
-    c = _Check(flag, bound, func, line)
-    _unread.append(c)
-    deps = _deps(inputs)
-    _taint(produced, frozenset((c,)) if deps is None else deps | {c})
+    """A checked op ran (or was recorded): `flag` merges its check into the
+    running one; what it produced depends on it and on what its inputs
+    depend on."""
+    running.assign(flag)
+    _taint(produced, _deps(inputs) | (1 << len(_unread)))
+    _unread.append(_Check(bound, func, line))
     if len(_unread) >= MAX_UNREAD:
         check()
 
@@ -133,44 +157,45 @@ def propagate(inputs, produced):
     """An op ran while flags are unread: what it produced depends on what its
     inputs depend on."""
     deps = _deps(inputs)
-    if deps is not None:
+    if deps:
         _taint(produced, deps)
+        if len(tainted) > MAX_TAINTED:
+            check()
 
 
 # ---- at sync points --------------------------------------------------------------
 
 def check():
-    """Read every flag computed by now (one transfer); raise the first
-    out-of-range index, after marking what depends on a bad op Lost."""
-    if not _unread:
+    """Read the running flag once the ops merged into it have run (one small
+    transfer); raise the first out-of-range index, after marking what
+    depends on a bad op Lost."""
+    if not _unread or type(running.array) is Pending:
         return
-    ready = [c for c in _unread if type(c.flag.array) is not Pending]
-    if not ready:
-        return
-    values = jax.device_get([c.flag.array for c in ready])
-    _unread[:] = [c for c in _unread if type(c.flag.array) is Pending]
-    failed = {}
-    for c, v in zip(ready, values):
-        if v[0]:
-            failed[c] = errors.out_of_range(c.bound, c.func, c.line, int(v[1]), int(v[3]),
-                                            int(v[4]), int(v[2]))
-    if failed:
-        _mark_lost(failed)
-    if not _unread:
+    flag = jax.device_get(running.array)
+    checks = _unread[:]
+    del _unread[:]
+    running.assign(_blank())
+    if not flag[1]:
         tainted.clear()
-    if failed:
-        raise next(iter(failed.values()))
+        return
+    k = int(flag[1]) - 1
+    first = checks[k]
+    err = errors.out_of_range(first.bound, first.func, first.line, int(flag[3]), int(flag[5]),
+                              int(flag[6]), int(flag[4]))
+    # Only the first bad value is known: with more than one bad op, the
+    # values of every op checked after it are lost too.
+    _mark_lost(1 << k if flag[2] == 1 else -1 << k, err)
+    tainted.clear()
+    raise err
 
 
-def _mark_lost(failed):
-    """Storages whose value depends on a failed check hold Lost(its error)
-    (the first such check's, in issue order)."""
-    order = list(failed)
+def _mark_lost(failed, err):
+    """Storages whose value depends on a failed check (a bit of `failed`)
+    hold Lost(err)."""
     for ref, deps in list(tainted.values()):
         s = ref()
-        if s is None or deps.isdisjoint(failed):
+        if s is None or not deps & failed:
             continue
-        first = next(c for c in order if c in deps)
         arr = s.array
         if type(arr) is not Lost:
-            s.assign(Lost(failed[first], arr.shape, arr.dtype))
+            s.assign(Lost(err, arr.shape, arr.dtype))

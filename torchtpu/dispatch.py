@@ -332,7 +332,8 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
 
     def fn(*flat):
         arrays = list(flat[:n_storages])
-        scalars = iter(flat[n_storages:])
+        # A checked kernel takes the index-bounds flag so far after the storages.
+        scalars = iter(flat[n_storages + (bound is not None):])
         args = [_materialize(s, arrays, scalars) for s in pos_specs]
         kwargs = {k: _materialize(s, arrays, scalars) for k, s in kw_specs}
         if plan.kind == "mutate":
@@ -341,7 +342,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
             kwargs["key"] = rng.key_from(next(scalars), next(scalars))
         ctx.out = out_meta[0] if out_meta is not None else None
         ctx.contiguous = [_spec_contiguous(s) for s in pos_specs]
-        flag = bounds.device_flag(bound, args, kwargs) if bound is not None else None
+        flag = bounds.device_flag(bound, args, kwargs, flat[n_storages]) if bound is not None else None
         result = lowering(*args, **kwargs)
         leaves = []
         template = _flatten(result, leaves)
@@ -582,11 +583,15 @@ def _run_lowered(plan, args, kwargs):
     kernel, out_meta, out_tdtypes, orders = entry
     metrics.M.ops_dispatched += 1
     flat = arrays
+    ex = modes._current
+    if kernel.bound is not None:
+        flag = bounds.flag_input(ex.name == "debug")
+        storages.append(flag)
+        arrays.append(flag.array)
     if call is not None and call.dynamic:
         flat.extend(call.dynamic)
     if plan.random:
         flat.extend(rng.next_key())
-    ex = modes._current
     if ex.name == "debug" or errors.CHECK_NANS:
         # Index bounds and NaN/Inf checks (torchtpu.errors).
         outs, new_storages = errors.checked_run(ex, plan, kernel, flat, storages, args, kwargs)
@@ -609,10 +614,13 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
     if kernel.bound is not None:
         flag, outs = outs[-1], outs[:-1]
     result = _results(plan, entry, outs, new_storages, storages, args, kwargs)
-    leaves = []
-    _flatten(result, leaves)
-    produced = [storages[slot] for slot in kernel.written_slots]
-    produced += [t._storage for t in leaves if type(t) is TpuTensor]
+    if type(result) is TpuTensor and not kernel.written_slots:
+        produced = (result._storage,)
+    else:
+        leaves = []
+        _flatten(result, leaves)
+        produced = [storages[slot] for slot in kernel.written_slots]
+        produced += [t._storage for t in leaves if type(t) is TpuTensor]
     if flag is None:
         bounds.propagate(storages, produced)
     elif ex.name != "debug":  # debug mode checked on the host before the op ran
