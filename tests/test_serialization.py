@@ -164,6 +164,34 @@ def test_cpu_checkpoint_onto_tpu(map_location):
     _check_model(model, cpu_model)
 
 
+def test_training_resumes_from_a_checkpoint(mode):
+    """Model and AdamW state saved after a step, loaded into a fresh model and
+    optimizer: the next steps are those of the run that was not stopped."""
+    ids = torch.tensor([[1, 5, 7], [2, 2, 9]], device="tpu")
+
+    def step(model, opt):
+        model(ids).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model = _on_tpu(_trained_cpu_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step(model, opt)
+    checkpoint = _round_trip({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert all(v.is_tpu for v in checkpoint["opt"]["state"][0].values() if v.dim())
+    resumed = TiedLM().to("tpu")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed_opt.load_state_dict(checkpoint["opt"])
+    for _ in range(2):
+        step(model, opt)
+        step(resumed, resumed_opt)
+    for p, q in zip(resumed.parameters(), model.parameters()):
+        # The same ops on the same values (fused mode may fuse the two
+        # models' steps differently: float rounding).
+        assert_same(p.detach(), q.detach().cpu(), rtol=1e-6, atol=1e-7)
+
+
 def test_parameters_keep_requires_grad_and_attributes():
     trained = nn.Parameter(torch.randn(3, 2).to("tpu"))
     frozen = nn.Parameter(torch.randn(4).to("tpu"), requires_grad=False)
