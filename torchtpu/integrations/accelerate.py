@@ -54,9 +54,9 @@ def _patch_state(module):
             return accelerate_default(self)
         if _world_size() > 1:
             raise NotImplementedError(
-                f"torchtpu: Hugging Face Accelerate runs on {DEVICE.type} in one process only; with "
-                f"{_world_size()} processes each would train alone (Accelerate sets up no "
-                f"process group for {DEVICE.type}). Use torch.distributed with "
+                f"torchtpu: Hugging Face Accelerate runs on {DEVICE.type} in one process "
+                f"only; with {_world_size()} processes each would train alone (Accelerate "
+                f"sets up no process group for {DEVICE.type}). Use torch.distributed with "
                 f"DistributedDataParallel directly, or one process")
         return torch.device(DEVICE.type)  # no index, as accelerate gives torch.device("cuda")
 
