@@ -38,11 +38,19 @@ _LOCATION = re.compile(r"^tpu(:(\d+))?$")
 
 
 class _OnTpu(torch.UntypedStorage):
-    """An UntypedStorage that says it lives on the tpu device."""
+    """An UntypedStorage that says it lives on the tpu device; it stands for
+    data held elsewhere, so its own (C++) storage is empty."""
 
     @property
     def device(self):
         return DEVICE
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError("torchtpu: a tpu storage has no host memory; read or write "
+                           "it through a tensor (torch.empty(0, device='tpu').set_(storage))")
+
+    # Its C++ storage is empty: nothing may read or write that.
+    __getitem__ = __setitem__ = copy_ = fill_ = resize_ = _refuse
 
     def __reduce__(self):
         # As UntypedStorage pickles itself (a legacy torch.save), through a
@@ -63,8 +71,8 @@ _next_address = 1 << 44
 
 
 class TpuStorage(_OnTpu):
-    """The storage of tpu tensors (all views of one tpu Storage). It holds no
-    host bytes (its C++ storage is empty); reading it downloads the array."""
+    """The storage of tpu tensors (all views of one tpu Storage); reading it
+    downloads the array."""
 
     @classmethod
     def of(cls, storage, dtype):
@@ -106,23 +114,42 @@ class TpuStorage(_OnTpu):
         # The legacy format (and so pickle) writes the C++ bytes.
         return self.cpu()._write_file(*args)
 
-    def _refuse(self, *args, **kwargs):
-        raise RuntimeError("torchtpu: a tpu storage has no host memory; read or write "
-                           "it through a tensor (torch.empty(0, device='tpu').set_(storage))")
-
-    __getitem__ = __setitem__ = copy_ = fill_ = resize_ = _refuse
-
     def __repr__(self):
         return f"torchtpu storage of {self._nbytes} bytes on {DEVICE}"
 
 
 class LoadedStorage(_OnTpu):
-    """A checkpoint's bytes restored for the tpu device; the tensors rebuilt
-    over it share the tpu Storage each dtype's upload makes."""
+    """A checkpoint's storage (its host bytes, not copied) restored for the
+    tpu device; the tensors rebuilt over it share the tpu Storage each
+    dtype's upload makes."""
+
+    @classmethod
+    def of(cls, host):
+        self = cls(0)
+        self._host = host
+        return self
+
+    def nbytes(self):
+        return self._host.nbytes()
+
+    def size(self):
+        return self._host.nbytes()
+
+    def __len__(self):
+        return self._host.nbytes()
+
+    def data_ptr(self):
+        return self._host.data_ptr()
+
+    def cpu(self):
+        return self._host
+
+    def _write_file(self, *args):
+        return self._host._write_file(*args)
 
     def _array(self, dtype):
         numel = self.nbytes() // dtype.itemsize
-        return runtime.to_device(torch.empty(0, dtype=dtype).set_(self, 0, (numel,), (1,)))
+        return runtime.to_device(torch.empty(0, dtype=dtype).set_(self._host, 0, (numel,), (1,)))
 
     def upload(self, dtype):
         uploads = self.__dict__.setdefault("_uploads", {})
@@ -134,7 +161,7 @@ class LoadedStorage(_OnTpu):
     def _set_from_file(self, *args):
         # The legacy format reads a storage's bytes after the tensors over
         # it are rebuilt (a CUDA storage takes them in place): upload again.
-        result = super()._set_from_file(*args)
+        result = self._host._set_from_file(*args)
         for dtype, storage in self.__dict__.get("_uploads", {}).items():
             storage.assign(self._array(dtype))
         return result
@@ -232,9 +259,7 @@ def _restore(storage, location):
     properties.check_index(index)
     if isinstance(storage, _OnTpu):
         return storage
-    loaded = LoadedStorage(storage.nbytes())
-    loaded.copy_(storage)
-    return loaded
+    return LoadedStorage.of(storage)
 
 
 def _safetensors_device(device):
