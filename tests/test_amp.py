@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_same, make
 
+import torchtpu
 from torchtpu import amp, metrics
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -137,6 +138,26 @@ def test_op_runs_in_the_policys_dtype(name, fn, inputs, low):
     assert_same(out, fn(*_cast_as_policy(policy, args, low)))
     if name in ("cat", "stack"):
         assert name not in [n for ops in amp.POLICY.values() for n in ops if isinstance(n, str)]
+
+
+def test_policy_in_fused_mode():
+    # Every case recorded into one graph: the dtypes are known before it
+    # runs, the values come from it.
+    with torchtpu.eager_mode("fused"):
+        metrics.reset()
+        results = []
+        for name, fn, inputs in CASES:
+            args = inputs()
+            policy = _policy(name) or "promote"
+            with torch.autocast("tpu", dtype=BF16):
+                out = fn(*_to_tpu(args))
+            assert out.dtype == _expected_dtype(policy, args, BF16), name
+            results.append((out, fn(*_cast_as_policy(policy, args, BF16))))
+        assert metrics.snapshot()["flushes"] == {}
+        torchtpu.sync()
+        assert metrics.snapshot()["flushes"] == {"sync": 1}
+        for out, ref in results:
+            assert_same(out, ref)
 
 
 def test_ops_outside_the_policy_and_ineligible_inputs_keep_their_dtypes():
