@@ -456,6 +456,20 @@ def test_non_finite_check_and_unscale(mode, dtype, bad, inv):
             assert_same(d, r, equal_nan=True, rtol=0, atol=0)
 
 
+def test_unscale_writes_through_views(mode):
+    # Gradients that are views of one buffer (DDP's gradient_as_bucket_view).
+    def run(device):
+        flat = torch.arange(10.0).to(device) * 1000
+        flat[7] = float("inf")
+        found = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_([flat[:6].view(2, 3), flat[6:]], found,
+                                                         torch.full((), 0.5, device=device))
+        return flat, found
+
+    for got, ref in zip(run("tpu"), run("cpu")):
+        assert_same(got, ref)
+
+
 @pytest.mark.parametrize("found_inf, tracker, scale", [
     (0.0, 0, 1024.0), (0.0, 2, 1024.0), (1.0, 2, 1024.0), (0.0, 2, 3.0e38), (1.0, 0, 1e-30)])
 def test_update_scale(mode, found_inf, tracker, scale):
