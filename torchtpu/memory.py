@@ -30,7 +30,8 @@ def _settle():
     modes.sync()
 
 
-def _live_arrays():
+def live_arrays():
+    """The arrays alive on the device."""
     arrays = jax.live_arrays(runtime.PLATFORM)
     if len(runtime.DEVICES) == 1:
         return arrays
@@ -49,7 +50,7 @@ def _figures(device=None, settle=True):
         reserved = int(stats.get("pool_bytes") or stats.get("bytes_reserved") or allocated)
         count = int(stats.get("num_allocs", 0))
         return allocated, max(reserved, allocated), count, stats.get("peak_bytes_in_use")
-    arrays = _live_arrays()
+    arrays = live_arrays()
     allocated = sum(a.size * a.dtype.itemsize for a in arrays)  # (a.nbytes costs 6x more)
     return allocated, allocated, len(arrays), None
 

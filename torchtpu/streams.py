@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from . import properties
+from . import memory, properties
 
 _TorchStream = torch.Stream
 _TorchEvent = torch.Event
@@ -43,14 +43,15 @@ def _issue_pending():
 
 
 def _wait_for_all():
-    from .device import synchronize
+    from .device import synchronize  # (device imports this module)
     synchronize()
 
 
 def _marker():
-    """The device arrays alive now: the results of all work issued so far."""
-    from .memory import _live_arrays
-    return _live_arrays()
+    """The device arrays alive now: the results of all work issued so far.
+    (Held by an event until it is stamped, they are not donated to a fused
+    graph meanwhile: the executor donates only arrays nothing else holds.)"""
+    return memory.live_arrays()
 
 
 def _ready(arrays):
@@ -64,7 +65,7 @@ def _block(arrays):
     for a in arrays:
         try:
             a.block_until_ready()
-        except RuntimeError:  # donated to a later graph: its producer finished
+        except RuntimeError:  # deleted by its owner: nothing to wait for
             pass
 
 
@@ -173,7 +174,6 @@ class Event(_TorchEvent):
     def record(self, stream=None):
         """Mark the work issued so far; returns at once (fused mode: issues the
         recorded ops first)."""
-        from . import memory
         _issue_pending()
         self._recorded = True
         self._done = threading.Event()
