@@ -48,7 +48,8 @@ def _figures(device=None, settle=True):
     if stats and "bytes_in_use" in stats:
         allocated = int(stats["bytes_in_use"])
         reserved = int(stats.get("pool_bytes") or stats.get("bytes_reserved") or allocated)
-        count = int(stats.get("num_allocs", 0))
+        # (The platform's num_allocs counts every allocation ever made.)
+        count = len(live_arrays())
         return allocated, max(reserved, allocated), count, stats.get("peak_bytes_in_use")
     arrays = live_arrays()
     allocated = sum(a.size * a.dtype.itemsize for a in arrays)  # (a.nbytes costs 6x more)
