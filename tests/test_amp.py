@@ -297,7 +297,7 @@ def _cast_nodes(y):
 
 
 def _cache_structure(device):
-    """Checks the casts autocast makes of a weight; returns its gradient."""
+    """Checks the casts autocast makes of a weight; returns its gradients."""
     x = _t(3, 5).to(device)
     w = _t(2, 5, seed=1).to(device).requires_grad_()
     with torch.autocast(device, dtype=BF16):
