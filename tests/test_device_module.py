@@ -233,3 +233,22 @@ def test_event_record_is_a_flush_boundary_in_fused_mode():
         assert STATS.flushes["event"] == before + 1
         assert type(y._storage.array) is not Pending  # issued, not recorded
         torch.testing.assert_close(y.cpu(), x.cpu() * 2 + 1)
+
+
+def test_subclasses_of_torch_event_and_stream_still_construct():
+    """Classes deriving from torch.Event / torch.Stream after import (as
+    Inductor's CPU device interface does) get instances of their own."""
+    class TimedEvent(torch.Event):
+        def __init__(self, enable_timing=True):
+            self.time = 0.0
+
+    e = TimedEvent(enable_timing=True)
+    assert type(e) is TimedEvent and e.time == 0.0 and isinstance(e, torch.Event)
+
+    class MyStream(torch.Stream):
+        pass
+
+    s = MyStream("tpu")
+    assert type(s) is MyStream and isinstance(s, torch.Stream)
+    from torch._dynamo.device_interface import CpuInterface
+    assert type(CpuInterface.Event(enable_timing=True)) is CpuInterface.Event

@@ -285,6 +285,9 @@ class TorchEvent(_TorchEvent, metaclass=_AnyEventType):
     isinstance(e, torch.Event) holds for both."""
 
     def __new__(cls, device=None, *, enable_timing=False, blocking=False, interprocess=False):
+        if cls is not TorchEvent:  # a subclass of torch.Event made after the install
+            return _TorchEvent.__new__(cls, device, enable_timing=enable_timing,
+                                       blocking=blocking, interprocess=interprocess)
         if _is_tpu(device):
             return Event(enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
         return _TorchEvent(device, enable_timing=enable_timing, blocking=blocking,
@@ -295,6 +298,8 @@ class TorchStream(_TorchStream, metaclass=_AnyStreamType):
     """torch.Stream: a tpu Stream for the tpu device, else PyTorch's own."""
 
     def __new__(cls, device=None, *args, **kwargs):
+        if cls is not TorchStream:  # a subclass of torch.Stream made after the install
+            return _TorchStream.__new__(cls, device, *args, **kwargs)
         if "stream_id" in kwargs:
             if kwargs.get("device_type") == _DEVICE_TYPE:
                 return Stream(**kwargs)
