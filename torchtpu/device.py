@@ -38,7 +38,6 @@ def _module():
     def set_device(device):
         properties.check_index(properties.device_index(device, optional=True))
 
-
     def get_amp_supported_dtype():
         return [torch.bfloat16, torch.float16]
 
