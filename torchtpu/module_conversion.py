@@ -42,7 +42,7 @@ class _ConvertOnce:
         # id(original parameter) -> (original, its conversion); the original
         # is held so that its id is not reused during the call.
         self.converted = {}
-        self.replaced = {}
+        self.replaced = {}  # id(original parameter) -> its one new Parameter
 
     def __call__(self, t):
         if not isinstance(t, nn.Parameter):
