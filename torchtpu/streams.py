@@ -20,6 +20,7 @@ provide in torch 2.13; install() makes torch.Event("tpu") and
 torch.Stream("tpu") build these classes instead.
 """
 import itertools
+import os
 import queue
 import threading
 import time
@@ -97,6 +98,8 @@ class _Waiter:
 
 
 _waiter = _Waiter()
+# A forked child (a DataLoader worker) has no waiter thread: it starts its own.
+os.register_at_fork(after_in_child=_waiter.__init__)
 
 
 class Stream(_TorchStream):
