@@ -278,6 +278,28 @@ def test_file_mmap_and_legacy_formats(tmp_path):
     _check_model(pickle.loads(pickle.dumps(model)), cpu_model)
 
 
+def test_tpu_checkpoint_loads_without_torchtpu(tmp_path):
+    # As a CUDA checkpoint on a machine without CUDA: map_location="cpu".
+    import subprocess
+    import sys
+    cpu_model = _trained_cpu_model()
+    model = _on_tpu(cpu_model)
+    torch.save({"state": model.state_dict(), "weight": model.mid.weight}, tmp_path / "tpu.pt")
+    script = (
+        "import sys, torch\n"
+        "d = torch.load(sys.argv[1], map_location='cpu')\n"
+        "torch.save(d, sys.argv[2])\n"
+        "assert 'torchtpu' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "tpu.pt"), str(tmp_path / "cpu.pt")],
+                   check=True)
+    loaded = torch.load(tmp_path / "cpu.pt", map_location="cpu")
+    assert type(loaded["weight"]) is nn.Parameter and loaded["weight"].requires_grad
+    torch.testing.assert_close(loaded["weight"].detach(), cpu_model.mid.weight.detach(), rtol=0, atol=0)
+    for name, value in cpu_model.state_dict().items():
+        assert type(loaded["state"][name]) is torch.Tensor
+        torch.testing.assert_close(loaded["state"][name], value, rtol=0, atol=0)
+
+
 def test_load_onto_a_missing_device_raises():
     buffer = io.BytesIO()
     torch.save(torch.ones(2).to("tpu"), buffer)
