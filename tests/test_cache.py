@@ -167,6 +167,13 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
         assert _torchtpu_warnings(again, "unreadable") == 1
         assert _all_verified(d)
         _same(cold, again)
+        # A stored executable serves only the XLA flags it was compiled with
+        # (this one leaves JAX's own key, and so its entry, as it is).
+        flags = _run(script, d, mode, XLA_FLAGS="--xla_dump_disable_metadata=true")
+        s4 = flags["stats"]
+        assert s4["programs_loaded"] == 0 and s4["compilations"] == 0
+        assert s4["disk_programs"] == 2 * len(programs)
+        _same(cold, flags)
     if mode == "strict":
         # Read-only: reads what is there, compiles what is new, writes nothing
         # (not even the lock file).

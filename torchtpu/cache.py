@@ -586,8 +586,8 @@ def jit(fn, name=None, donate_argnums=()):
 
 # ---- stored programs ------------------------------------------------------------
 # A fused graph's compiled executable, stored (beside JAX's entries) under a
-# key that is stable across processes: the graph's ops, argument shapes and
-# torchtpu's own code. A warm start loads it and runs it, without tracing the
+# key that is stable across processes: the graph's ops, argument shapes,
+# torchtpu's own code, the platform, devices and XLA flags. A warm start loads it and runs it, without tracing the
 # graph op by op, lowering it or hashing its module for JAX's cache key.
 PROGRAM_PREFIX = "program-"
 _PROGRAM_FORMAT = b"torchtpu-executable-1\n"
@@ -607,6 +607,21 @@ def _source_digest():
             h.update(f.read_bytes())
         _source_version = h.hexdigest()
     return _source_version
+
+
+def _program_context(args):
+    """What a stored executable is valid for besides the graph itself: the
+    platform and devices it was compiled for, and the flags XLA compiled it
+    with (JAX's own key covers these for its entries)."""
+    from . import runtime
+    first = runtime.DEVICES[0]
+    devices = sorted({str(d) for x in jax.tree_util.tree_leaves(args) if hasattr(x, "devices")
+                      for d in x.devices()})
+    return "\n".join([
+        f"platform {runtime.PLATFORM} {first.client.platform_version} {first.device_kind} "
+        f"x{len(runtime.DEVICES)}",
+        f"devices {devices}",
+        *(f"{name}={os.environ.get(name, '')}" for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"))])
 
 
 def _dump_program(compiled):
@@ -648,7 +663,7 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=()):
     store_ = _jax_cc._cache if DISK_DIR is not None and _jax_cc is not None else None
     if key_text is None or not isinstance(store_, DiskCache):
         return jit(fn, name, donate_argnums)
-    key_text += f"\ndonate {tuple(donate_argnums)}"
+    key_text += f"\ndonate {tuple(donate_argnums)}\n{_program_context(args)}"
     key = PROGRAM_PREFIX + _sha256((_source_digest() + "\n" + key_text).encode())
     start = time.monotonic()
     blob = store_.get(key)
