@@ -325,7 +325,9 @@ def test_donated_buffer_goes_to_the_value_that_replaced_it(fused):
     # g has w's shape and is recorded first; w's old buffer must still go to
     # w's new value (updated in place), not to g (which would make XLA copy w).
     w_cpu = torch.randn(64, 64)
-    w = w_cpu.to("tpu")
+    # An op's result: on the CPU platform an upload's array is the host copy
+    # itself, which XLA cannot take over (it copies a donated upload once).
+    w = w_cpu.to("tpu") * 1
     torchtpu.sync()
     old = w._storage.array.unsafe_buffer_pointer()
     g = w * 2
