@@ -3,6 +3,9 @@ graph breaks, run in the current eager mode; graphs that make tpu tensors go
 to the `tpu` backend, with one warning), the `tpu` backend (Dynamo's graphs
 run through torchtpu), and CPU models still compiled by Inductor."""
 import copy
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -174,3 +177,26 @@ def test_dynamo_does_not_trace_torchtpu_or_jax():
     for path in (torchtpu.dispatch.__file__, fused.__file__, jax.numpy.__file__):
         assert trace_rules.check_file(path).skipped, path
     assert not trace_rules.check_file(__file__).skipped  # user code is traced
+
+
+def test_import_torchtpu_leaves_dynamo_unimported_until_used():
+    """Dynamo and Inductor are told about tpu when first imported, not at
+    `import torchtpu`: the skip list, the tpu backend and Inductor's refusal
+    are all in place once a compile imports them."""
+    script = "\n".join([
+        "import sys, torch, torchtpu",
+        "assert 'torch._dynamo' not in sys.modules and 'torch._inductor' not in sys.modules",
+        "m = torch.nn.Linear(3, 2)",
+        "x = torch.randn(4, 3)",
+        "out = torch.compile(m.to('tpu'), backend='tpu')(x.to('tpu'))",
+        "from torch._dynamo import trace_rules",
+        "from torch._inductor.codegen.common import get_scheduling_for_device",
+        "assert trace_rules.check_file(torchtpu.dispatch.__file__).skipped",
+        "assert get_scheduling_for_device('tpu') is torchtpu.compile._NoInductorCode",
+        "torch.testing.assert_close(out.cpu(), torch.nn.functional.linear(",
+        "    x, m.weight.detach().cpu(), m.bias.detach().cpu()))",
+        "print('ok')"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, TORCHTPU_CACHE_DIR="off"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

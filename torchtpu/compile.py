@@ -27,6 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import is_internal
+from .integrations.after_import import when_imported
 from .tensor import DEVICE
 
 _routing_warned = False
@@ -101,16 +102,27 @@ class _NoInductorCode:
         cls()
 
 
-def register():
+def _register_with_dynamo(dynamo):
     from torch._dynamo import trace_rules
     for package in ("torchtpu", "jax", "jaxlib"):
         trace_rules.add(package)
-    torch._dynamo.register_backend(tpu_backend, name=DEVICE.type)
+    dynamo.register_backend(tpu_backend, name=DEVICE.type)
+
+
+def _refuse_inductor_codegen(common):
+    # Before Inductor registers its own code generator for the device name
+    # (it does so at its first compilation, not at import).
+    common.register_backend_for_device(DEVICE.type, _NoInductorCode, _NoInductorCode)
+
+
+def register():
     # torch.compile(model) and backend="inductor" call Inductor through this
     # wrapper's __call__ (compile_fx itself is imported only then: costly).
     wrapper = torch._TorchCompileInductorWrapper
-    if not hasattr(wrapper.__call__, "__wrapped__"):
-        wrapper.__call__ = _routing_inductor_call(wrapper.__call__)
-    from torch._inductor.codegen import common
-    # Before Inductor registers its own code generator for the device name.
-    common.register_backend_for_device(DEVICE.type, _NoInductorCode, _NoInductorCode)
+    if hasattr(wrapper.__call__, "__wrapped__"):
+        return
+    wrapper.__call__ = _routing_inductor_call(wrapper.__call__)
+    # Dynamo and Inductor take about a second to import; a script that never
+    # compiles (or builds an optimizer, which imports Dynamo) need not pay it.
+    when_imported("torch._dynamo", _register_with_dynamo)
+    when_imported("torch._inductor.codegen.common", _refuse_inductor_codegen)

@@ -19,17 +19,15 @@ for another device, so each process of `accelerate launch` or torchrun would
 train alone on its own data; that raises instead.
 
 Importing accelerate costs about a second, so `import torchtpu` does not: each
-change is made when its module is first imported (a meta-path finder that
-runs it after the module's own code), or at once if it already is.
+change is made when its module is first imported (`when_imported`), or at
+once if it already is.
 """
-import importlib.abc
-import importlib.util
 import os
-import sys
 
 import torch
 
 from ..tensor import DEVICE
+from .after_import import when_imported
 
 
 def _tpu_is_the_accelerator():
@@ -85,46 +83,13 @@ def _patch_accelerator(module):
     accelerator.prepare = prepare
 
 
-_PATCHES = {"accelerate.state": _patch_state, "accelerate.accelerator": _patch_accelerator}
-_patched = set()
-
-
-def _patch(name, module):
-    if name not in _patched:
-        _patched.add(name)
-        _PATCHES[name](module)
-
-
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds the patched modules as the other finders do, and has their
-    loader patch each once its own code has run."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in _PATCHES or name in _patched:
-            return None
-        sys.meta_path.remove(self)  # the real spec, from the finders after this one
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run_module = spec.loader.exec_module
-
-        def exec_module(module):
-            run_module(module)
-            _patch(name, module)
-            if len(_patched) == len(_PATCHES) and self in sys.meta_path:
-                sys.meta_path.remove(self)
-
-        spec.loader.exec_module = exec_module
-        return spec
+_installed = False
 
 
 def install():
-    for name in _PATCHES:
-        if name in sys.modules:
-            _patch(name, sys.modules[name])
-    if len(_patched) < len(_PATCHES) and \
-            not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    when_imported("accelerate.state", _patch_state)
+    when_imported("accelerate.accelerator", _patch_accelerator)
