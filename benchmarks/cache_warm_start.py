@@ -153,7 +153,7 @@ cache_warm_start.columns = [
 # name); each line's time is the cumulative time of its outermost calls.
 ACTIVITIES = [
     ("import torchtpu", "torchtpu/__init__.py", "<module>"),
-    ("  of it: torch._dynamo (imported by torch.compile's backend registration)",
+    ("importing torch._dynamo (whoever imports it first: AdamW's constructor does)",
      "torch/_dynamo/__init__.py", "<module>"),
     ("all imports during the run (torchtpu's, and torch's and JAX's lazy ones)",
      "<frozen importlib._bootstrap>", "_find_and_load"),
