@@ -8,6 +8,7 @@ argument checks that PyTorch's meta kernels lack run ahead of these, at each
 call (torchtpu.amp).
 """
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from . import lower
@@ -31,6 +32,16 @@ def amp_foreach_non_finite_check_and_unscale(self, found_inf, inv_scale):
     return out, jnp.where(any_bad, jnp.ones_like(found_inf), found_inf)
 
 
+def _times(scale, factor):
+    """float32 scale times a Python float, taken in double and rounded to
+    float32. For a factor float32 holds exactly (GradScaler's 2.0 and 0.5)
+    float32's own product is that same correctly rounded value, and needs
+    no float64 on the device."""
+    if float(np.float32(factor)) == factor:
+        return scale * np.float32(factor)
+    return (scale.astype(jnp.float64) * factor).astype(scale.dtype)
+
+
 @lower(aten._amp_update_scale.default)
 def amp_update_scale(self, growth_tracker, found_inf, scale_growth_factor,
                      scale_backoff_factor, growth_interval):
@@ -40,9 +51,8 @@ def amp_update_scale(self, growth_tracker, found_inf, scale_growth_factor,
     double and rounded to float32, as the kernels do."""
     found = found_inf.reshape(self.shape) != 0
     tracker = growth_tracker.reshape(self.shape)
-    wide = self.astype(jnp.float64)
-    backed_off = (wide * scale_backoff_factor).astype(self.dtype)
-    grown = (wide * scale_growth_factor).astype(self.dtype)
+    backed_off = _times(self, scale_backoff_factor)
+    grown = _times(self, scale_growth_factor)
     successful = tracker + 1
     grow = successful == growth_interval
     scale = jnp.where(found, backed_off,
