@@ -97,10 +97,13 @@ class Plan:
         # take (a value-dependent shape: boolean-mask indexing) down the
         # decomposition / CPU-fallback path.
         self.accepts = getattr(self.lowering, "accepts", None)
-        # Scalars a lowering must branch on (a norm's ord) are static.
+        # Scalars a lowering must branch on (a norm's ord) are static; float
+        # arguments it names dynamic (an optimizer's learning rate) are traced.
         for i, a in enumerate(schema.arguments):
             if a.name in getattr(self.lowering, "static_args", ()):
                 self.tensorish[i] = self.tensorish[a.name] = False
+            elif a.name in getattr(self.lowering, "dynamic_args", ()):
+                self.tensorish[i] = self.tensorish[a.name] = True
         self.pos_flags = tuple(self.tensorish[i] for i in range(len(schema.arguments)))
 
 
@@ -381,7 +384,8 @@ def _flat_written(written):
     for spec in written:
         if spec[0] == "l":
             out.extend(spec[1])
-        else:
+        elif spec[0] == "t":
+            # Not an empty list (a fused Adam's max_exp_avg_sqs without amsgrad).
             out.append(spec)
     return out
 

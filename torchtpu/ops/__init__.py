@@ -26,7 +26,8 @@ def lower(*ops, random=False):
 
     Python numbers arrive traced unless fn.static_args names them (a tuple of
     argument names): then each value compiles its own kernel (an arange's
-    bounds, a norm's ord).
+    bounds, a norm's ord); fn.dynamic_args names float arguments that are
+    traced all the same (an optimizer's learning rate).
 
     fn.result_dtypes(meta_dtypes, *args, **kwargs) -> dtypes, where set,
     corrects the result dtypes PyTorch's meta kernel reports to what its CPU
@@ -57,5 +58,5 @@ ctx = TraceContext()
 
 
 def load_all():
-    from . import (creation, fft, indexing, linalg, nn, pointwise, random,  # noqa: F401
+    from . import (creation, fft, indexing, linalg, nn, optim, pointwise, random,  # noqa: F401
                    reduction, shape, special)
