@@ -1,6 +1,8 @@
 """The cost of the out-of-range index check (torchtpu.bounds) in strict and
 fused mode: the same work with the check on and off, side by side in one
-process (bounds.set_enabled rebuilds the kernels), median of several repeats.
+process (bounds.set_enabled rebuilds the kernels), each figure the median of
+several repeats, then the median over turns taken in the order on, off,
+off, on, twice.
 
 - µs per indexing op: a chain of index_select / embedding calls (each op's
   flag computed on device, the flags read at the sync ending the chain);
@@ -9,6 +11,8 @@ process (bounds.set_enabled rebuilds the kernels), median of several repeats.
 - ms per training step: the MLP and GPT steps of benchmarks/fused.py (their
   cross_entropy and embedding, forward and backward, are checked).
 """
+import statistics
+
 import torch
 import torch.nn.functional as F
 
@@ -52,16 +56,26 @@ def _chains(n_ops):
             ("c = c + y (128x128) after a checked op", plain, run_plain)]
 
 
-def _side_by_side(fn, repeats, warmup):
-    """{on, off}: median seconds of fn() with the check on, then off."""
-    out = {}
+# On, off, off, on, twice: drift in the machine's load falls on both alike.
+_ORDER = (True, False, False, True) * 2
+
+
+def _side_by_side(measure):
+    """{True: on, False: off}: measure() (a number, or a dict of numbers) with
+    the check on and off, each the median of its turns in _ORDER."""
+    turns = {True: [], False: []}
     try:
-        for on in (True, False):
+        for on in _ORDER:
             bounds.set_enabled(on)
-            out[on] = timings(fn, repeats, warmup)[0]
+            turns[on].append(measure())
     finally:
         bounds.set_enabled(True)
-    return out
+
+    def median(values):
+        if isinstance(values[0], dict):
+            return {k: statistics.median(v[k] for v in values) for k in values[0]}
+        return statistics.median(values)
+    return {on: median(v) for on, v in turns.items()}
 
 
 def index_check(n_ops=200, repeats=9, step_repeats=5):
@@ -70,20 +84,14 @@ def index_check(n_ops=200, repeats=9, step_repeats=5):
         with torchtpu.eager_mode(mode):
             for name, make, run in _chains(n_ops):
                 state = make()
-                t = _side_by_side(lambda: run(state), repeats, warmup=2)
+                t = _side_by_side(lambda: timings(lambda: run(state), repeats, warmup=2)[0])
                 rows.append({"what": name, "mode": mode, "unit": "µs per op",
                              "on": t[True] / n_ops * 1e6, "off": t[False] / n_ops * 1e6})
     for name, make_model, make_batch in (("MLP step (AdamW), cross_entropy checked", mlp, mlp_batch),
                                          ("GPT step (AdamW), embedding + cross_entropy checked",
                                           TinyGPT, gpt_batch)):
-        ms = {}
-        try:
-            for on in (True, False):
-                bounds.set_enabled(on)
-                ms[on] = training_step(make_model, make_batch, repeats=step_repeats,
-                                       modes=("fused", "strict"))
-        finally:
-            bounds.set_enabled(True)
+        ms = _side_by_side(lambda: training_step(make_model, make_batch, repeats=step_repeats,
+                                                 modes=("fused", "strict")))
         for mode in ("strict", "fused"):
             rows.append({"what": name, "mode": mode, "unit": "ms per step",
                          "on": ms[True][mode], "off": ms[False][mode]})

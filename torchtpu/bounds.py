@@ -85,15 +85,12 @@ def device_flag(bound, args, kwargs, before):
     return jnp.stack(head + tail)
 
 
-def _blank():
-    return jnp.zeros((_FLAG_SIZE,), jnp.int64)
-
-
+_BLANK = jnp.zeros((_FLAG_SIZE,), jnp.int64)
 # The merged flag of the checked ops issued since the last check (a Storage:
 # fused mode materializes what one holds) and the one debug mode passes (it
 # checked on the host; its flag is dropped).
-running = Storage(_blank())
-idle = Storage(_blank())
+running = Storage(_BLANK)
+idle = Storage(_BLANK)
 
 
 def flag_input(debug):
@@ -174,7 +171,7 @@ def check():
     flag = jax.device_get(running.array)
     checks = _unread[:]
     del _unread[:]
-    running.assign(_blank())
+    running.assign(_BLANK)
     if not flag[1]:
         tainted.clear()
         return

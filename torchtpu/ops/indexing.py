@@ -2,8 +2,10 @@
 
 PyTorch wraps negative indices (index, index_put, take, put) and raises on
 out-of-range ones; XLA clamps gathers and drops scattered updates that fall
-out of range. Every lowering here sends its indices through `wrap`, the one
-place where a range check can be added.
+out of range. Every lowering here sends its indices through `wrap`; the range
+check is not the lowerings' business: errors.BOUNDS says which arguments of
+which ops are indices, and the dispatcher checks them (on the host in debug
+mode, inside the op's kernel otherwise: torchtpu.bounds).
 """
 import jax.numpy as jnp
 import torch
