@@ -91,6 +91,29 @@ def test_fused_step_matches_cpu_fused(mode, case, tensor_lr):
     assert _fused_fallbacks() == before
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_fused_adamw_other_dtypes_match_cpu_fused(mode, dtype):
+    # Computed in float32 (float64 for float64) and rounded once, as CPU does.
+    kwargs = dict(lr=0.01, amsgrad=True, weight_decay=0.1, fused=True)
+
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8).to(device, dtype)
+        opt = OPT.AdamW(model.parameters(), **kwargs)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 16, generator=g).to(device, dtype)
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters()), opt.state_dict()["state"]
+    params, state = run("tpu")
+    cpu_params, cpu_state = run("cpu")
+    for p, c in zip(params, cpu_params):
+        assert_same(p, c)
+    _assert_states_same(state, cpu_state)
+
+
 @pytest.mark.parametrize("case", ["adamw_amsgrad_maximize_wd", "adam_amsgrad_wd",
                                   "sgd_nesterov_wd", "adagrad"])
 def test_fused_matches_foreach(case):
