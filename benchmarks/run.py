@@ -27,6 +27,7 @@ from compiled_hf import compiled_hf_step  # noqa: E402
 from common import table, timings  # noqa: E402
 from fused import training_steps  # noqa: E402
 from index_check import index_check  # noqa: E402
+from optim import fused_adamw  # noqa: E402
 from transfers import transfers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +87,7 @@ BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
               "amp_training_steps": amp_training_steps,
               "compiled_hf_step": compiled_hf_step,
               "cache_warm_start": cache_warm_start, "transfers": transfers,
-              "index_check": index_check}
+              "index_check": index_check, "fused_adamw": fused_adamw}
 
 
 # ---- output -------------------------------------------------------------------
