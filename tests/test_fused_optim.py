@@ -34,8 +34,9 @@ def _model(device):
                                torch.nn.Linear(5, 3)).to(device)
 
 
-def _train(device, cls, kwargs, steps=STEPS, scaler=None, inf_at=None):
-    """steps of cls on the small model; the loss is made inf at step inf_at."""
+def _train(device, cls, kwargs, steps=STEPS, scaler=None, inf_at=None, clip=None):
+    """steps of cls on the small model; the loss is made inf at step inf_at;
+    clip: unscale first and clip the gradients' norm to it."""
     model = _model(device)
     opt = cls(model.parameters(), **kwargs)
     g = torch.Generator().manual_seed(1)
@@ -49,6 +50,9 @@ def _train(device, cls, kwargs, steps=STEPS, scaler=None, inf_at=None):
             opt.step()
         else:
             scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             scaler.step(opt)
             scaler.update()
         opt.zero_grad()
@@ -175,18 +179,24 @@ def test_grad_scale_and_found_inf_as_cpu(mode, op, found_inf):
     assert changed == (not found_inf)
 
 
-def test_grad_scaler_with_fused_adamw_and_an_inf_step(mode):
-    # GradScaler hands fused optimizers grad_scale and found_inf; step 1's
-    # inf loss is skipped and the scale backs off, as on CPU.
-    kwargs = dict(lr=0.01, weight_decay=0.1, fused=True)
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["scaled", "unscale_clip"])
+@pytest.mark.parametrize("case", ["adamw", "sgd_nesterov_wd"])
+def test_grad_scaler_with_an_inf_step(mode, case, clip):
+    # GradScaler hands fused optimizers grad_scale and found_inf (after
+    # unscale_, found_inf alone); step 1's inf loss is skipped and the scale
+    # backs off, as on CPU.
+    cls, kwargs = CASES[case]
+    kwargs = dict(kwargs, fused=True)
     scaler = torch.amp.GradScaler("tpu", init_scale=2.0 ** 8)
-    params, state = _train("tpu", OPT.AdamW, kwargs, steps=4, scaler=scaler, inf_at=1)
+    params, state = _train("tpu", cls, kwargs, steps=4, scaler=scaler, inf_at=1, clip=clip)
     cpu_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    cpu_params, cpu_state = _train("cpu", OPT.AdamW, kwargs, steps=4, scaler=cpu_scaler, inf_at=1)
+    cpu_params, cpu_state = _train("cpu", cls, kwargs, steps=4, scaler=cpu_scaler, inf_at=1,
+                                   clip=clip)
     for p, c in zip(params, cpu_params):
         assert_same(p, c)
     _assert_states_same(state, cpu_state)
-    assert state[0]["step"].item() == 3
+    if "step" in state[0]:
+        assert state[0]["step"].item() == 3
     assert scaler.get_scale() == cpu_scaler.get_scale() == 2.0 ** 7
     assert _fused_fallbacks() == {}
 
