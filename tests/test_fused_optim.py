@@ -1,5 +1,7 @@
 """torch.optim's fused=True optimizers on tpu: the same parameters and state
 as fused=True on CPU, in every mode, without the CPU fallback."""
+import re
+
 import pytest
 import torch
 
@@ -246,14 +248,35 @@ def test_fused_mode_step_is_one_graph():
     assert _fused_fallbacks() == {}
 
 
-@pytest.mark.parametrize("wrong", ["length", "shape"])
-def test_mismatched_lists_raise(wrong):
-    params = [torch.randn(3, device="tpu"), torch.randn(2, device="tpu")]
-    grads = [torch.randn(3, device="tpu")] + ([] if wrong == "length" else
-                                             [torch.randn(3, device="tpu")])
-    state = [[torch.zeros(3, device="tpu"), torch.zeros(2, device="tpu")] for _ in range(2)]
-    steps = [torch.ones((), device="tpu") for _ in params]
-    with pytest.raises(RuntimeError, match="grads"):
-        torch._fused_adamw_(params, grads, state[0], state[1], [], steps, lr=0.1, beta1=0.9,
+def _bad_call(device, wrong):
+    def t(*shape):
+        return torch.randn(shape).to(device)
+    params = [t(3), t(2)]
+    grads = [t(3), t(3) if wrong == "shape" else t(2)][:1 if wrong == "length" else 2]
+    state = [[t(3), t(2)] for _ in range(3)]
+    steps = [torch.ones(()).to(device) for _ in params]
+    if wrong == "unused_momentum_buffers":
+        torch._fused_sgd_(params, grads, state[0], weight_decay=0.0, momentum=0.0, lr=0.1,
+                          dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+    else:
+        # amsgrad=False takes no max_exp_avg_sqs.
+        maxima = state[2] if wrong == "unused_max_exp_avg_sqs" else []
+        torch._fused_adamw_(params, grads, state[0], state[1], maxima, steps, lr=0.1, beta1=0.9,
                             beta2=0.99, weight_decay=0.0, eps=1e-8, amsgrad=False,
                             maximize=False)
+
+
+@pytest.mark.parametrize("wrong", ["length", "unused_max_exp_avg_sqs",
+                                   "unused_momentum_buffers"])
+def test_bad_lists_raise_as_on_cpu(wrong):
+    with pytest.raises(RuntimeError) as cpu_error:
+        _bad_call("cpu", wrong)
+    expected = str(cpu_error.value).split("  (Could")[0]
+    with pytest.raises(RuntimeError, match=re.escape(expected)):
+        _bad_call("tpu", wrong)
+
+
+def test_mismatched_shapes_raise():
+    # CUDA's kernel refuses them; tpu too (CPU's reads out of bounds).
+    with pytest.raises(RuntimeError, match=r"grads\[1\] has shape \[3\]"):
+        _bad_call("tpu", "shape")

@@ -24,9 +24,13 @@ def _opmath(dtype):
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
-def _check_lists(params, **lists):
-    """PyTorch's checks of the lists' lengths, and that each state tensor has
-    its parameter's shape (CUDA checks it; CPU reads out of bounds)."""
+def _check_lists(params, unused=None, **lists):
+    """PyTorch's checks of the lists' lengths (unused: the name and value of
+    a list the flags leave unread, which must be empty), and that each state
+    tensor has its parameter's shape (CUDA checks it; CPU reads out of
+    bounds)."""
+    if unused is not None and len(unused[1]):
+        raise RuntimeError(f"Expected {unused[0]}.empty() to be true, but got false.")
     n = len(params)
     for name, tensors in lists.items():
         if len(tensors) != n:
@@ -62,9 +66,10 @@ def _adam(decoupled):
     def lowering(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr,
                  beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale=None,
                  found_inf=None):
-        _check_lists(self, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-                     state_steps=state_steps, **({"max_exp_avg_sqs": max_exp_avg_sqs}
-                                                 if amsgrad else {}))
+        maxima = {"max_exp_avg_sqs": max_exp_avg_sqs}
+        _check_lists(self, None if amsgrad else ("max_exp_avg_sqs", max_exp_avg_sqs),
+                     grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                     state_steps=state_steps, **(maxima if amsgrad else {}))
         new = [[], [], [], [], []]
         for i, (p, g, m, v, step) in enumerate(zip(self, grads, exp_avgs, exp_avg_sqs,
                                                    state_steps)):
@@ -95,7 +100,7 @@ def _adam(decoupled):
             new[2].append(mean.astype(m.dtype))
             new[3].append(sq.astype(v.dtype))
         old = [list(self), list(grads), list(exp_avgs), list(exp_avg_sqs),
-               list(max_exp_avg_sqs) if amsgrad else []]
+               list(max_exp_avg_sqs)]
         return tuple(_skip_if_found_inf(found_inf, new, old))
     lowering.dynamic_args = ("lr",)
     return lowering
@@ -108,8 +113,9 @@ fused_adamw = lower(aten._fused_adamw.default, aten._fused_adamw.tensor_lr)(_ada
 @lower(aten._fused_sgd.default, aten._fused_sgd.tensor_lr)
 def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening,
               nesterov, maximize, is_first_step, grad_scale=None, found_inf=None):
-    _check_lists(self, grads=grads, **({"momentum_buffer_list": momentum_buffer_list}
-                                       if momentum != 0 else {}))
+    buffers = {"momentum_buffer_list": momentum_buffer_list}
+    _check_lists(self, None if momentum != 0 else ("momentum_buffer_list", momentum_buffer_list),
+                 grads=grads, **(buffers if momentum != 0 else {}))
     new = [[], [], []]
     for i, (p, g) in enumerate(zip(self, grads)):
         dt = _opmath(p.dtype)
@@ -125,7 +131,7 @@ def fused_sgd(self, grads, momentum_buffer_list, *, weight_decay, momentum, lr, 
             g = g + momentum * buf if nesterov else buf
         new[0].append((param - rate * g).astype(p.dtype))
         new[1].append(g_written)
-    old = [list(self), list(grads), list(momentum_buffer_list) if momentum != 0 else []]
+    old = [list(self), list(grads), list(momentum_buffer_list)]
     return tuple(_skip_if_found_inf(found_inf, new, old))
 
 
