@@ -76,8 +76,9 @@ def _assert_states_same(tpu_state, cpu_state, **tol):
                 assert tpu_state[i][name] == value
 
 
-@pytest.mark.parametrize("case,tensor_lr", [(c, False) for c in CASES] + [(c, True) for c in TENSOR_LR],
-                         ids=[c for c in CASES] + [c + "-tensor_lr" for c in TENSOR_LR])
+@pytest.mark.parametrize("case,tensor_lr",
+                         [(c, False) for c in CASES] + [(c, True) for c in TENSOR_LR],
+                         ids=list(CASES) + [c + "-tensor_lr" for c in TENSOR_LR])
 def test_fused_step_matches_cpu_fused(mode, case, tensor_lr):
     cls, kwargs = CASES[case]
     kwargs = dict(kwargs, fused=True)
