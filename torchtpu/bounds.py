@@ -100,14 +100,32 @@ def flag_input(debug):
 # ---- what depends on unread checks ----------------------------------------------
 
 class _Check:
-    """A checked op whose flag is unread: the op, where the user issued it,
-    how to report it."""
-    __slots__ = ("bound", "func", "line")
+    """A checked op whose flag is unread: the op, where the user issued it
+    (file, line), how to report it."""
+    __slots__ = ("bound", "func", "where")
 
-    def __init__(self, bound, func, line):
+    def __init__(self, bound, func, where):
         self.bound = bound
         self.func = func
-        self.line = line
+        self.where = where
+
+
+# code object -> whether it is torchtpu's, torch's or JAX's (errors.is_internal),
+# so that finding the user's line for each checked op is a few dict lookups.
+_internal = {}
+
+
+def issuing_line(frame):
+    """(file, line) of the innermost frame outside torchtpu, torch and JAX."""
+    while frame is not None:
+        code = frame.f_code
+        internal = _internal.get(code)
+        if internal is None:
+            internal = _internal[code] = errors.is_internal(code.co_filename)
+        if not internal:
+            return code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
 
 
 _unread = []  # _Check per op merged into `running`, in issue order
@@ -139,13 +157,13 @@ def _deps(storages):
     return deps
 
 
-def note(bound, func, flag, inputs, produced, line):
-    """A checked op ran (or was recorded): `flag` merges its check into the
-    running one; what it produced depends on it and on what its inputs
-    depend on."""
+def note(bound, func, flag, inputs, produced, frame):
+    """A checked op ran (or was recorded), called from `frame`: `flag` merges
+    its check into the running one; what it produced depends on it and on
+    what its inputs depend on."""
     running.assign(flag)
     _taint(produced, _deps(inputs) | (1 << len(_unread)))
-    _unread.append(_Check(bound, func, line))
+    _unread.append(_Check(bound, func, issuing_line(frame)))
     if len(_unread) >= MAX_UNREAD:
         check()
 
@@ -177,7 +195,8 @@ def check():
         return
     k = int(flag[1]) - 1
     first = checks[k]
-    err = errors.out_of_range(first.bound, first.func, first.line, int(flag[3]), int(flag[5]),
+    line = "%s:%d" % first.where
+    err = errors.out_of_range(first.bound, first.func, line, int(flag[3]), int(flag[5]),
                               int(flag[6]), int(flag[4]))
     # Only the first bad value is known: with more than one bad op, the
     # values of every op checked after it are lost too.

@@ -628,8 +628,7 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
     if flag is None:
         bounds.propagate(storages, produced)
     elif ex.name != "debug":  # debug mode checked on the host before the op ran
-        bounds.note(kernel.bound, plan.func, flag, storages, produced,
-                    errors.user_line(sys._getframe(1)))
+        bounds.note(kernel.bound, plan.func, flag, storages, produced, sys._getframe(1))
     return result
 
 
