@@ -302,3 +302,29 @@ def test_switch_off_builds_unchecked_kernels():
             bounds.set_enabled(True)
         with pytest.raises(IndexError):
             torch.arange(5.0).to("tpu")[torch.tensor([7]).to("tpu")].cpu()
+
+
+class _ReadInBackward(torch.autograd.Function):
+    """Identity whose backward reads a value (a sync point inside backward)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        g.sum().item()
+        return g
+
+
+def test_sync_inside_backward_raises_from_backward(mode):
+    if mode == "debug":
+        pytest.skip("debug mode raises at the forward op")
+    w = torch.randn(5, 2).to("tpu").requires_grad_()
+    out = _ReadInBackward.apply(F.embedding(torch.tensor([7]).to("tpu"), w))
+    with pytest.raises(IndexError, match="index 7 is out of bounds .*aten.embedding"):
+        out.sum().backward()
+    assert w.grad is None
+    cpu_w = w.detach().cpu().requires_grad_()
+    F.embedding(torch.tensor([4]), cpu_w).sum().backward()
+    F.embedding(torch.tensor([4]).to("tpu"), w).sum().backward()
+    assert_same(w.grad, cpu_w.grad)
