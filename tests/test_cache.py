@@ -167,7 +167,7 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
         assert _torchtpu_warnings(again, "unreadable") == 1
         assert _all_verified(d)
         _same(cold, again)
-        # A stored executable serves only the XLA flags it was compiled with
+        # A stored program serves only the XLA flags it was stored under
         # (this one leaves JAX's own key, and so its entry, as it is).
         flags = _run(script, d, mode, XLA_FLAGS="--xla_dump_disable_metadata=true")
         s4 = flags["stats"]
@@ -553,3 +553,41 @@ def test_shared_readonly_cache_of_another_user(script, filled, tmp_path):
     assert _torchtpu_warnings(refused, f"owned by uid {OTHER_UID}") == 1
     assert _snapshot(d) == before
     _same(cold, refused)
+
+
+RELOAD_SCRIPT = """
+import torch, torchtpu
+import torch.nn.functional as F
+from torchtpu import cache
+table_cpu = torch.randn(64, 16)
+idx_cpu = torch.randperm(64)
+table, idx = table_cpu.to("tpu"), idx_cpu.to("tpu")
+
+def chain(fn, x, i):
+    for _ in range(20):
+        x = fn(x, i)
+    return x
+
+select = lambda x, i: x.index_select(0, i)
+embed = lambda x, i: F.embedding(i, x)
+for step in range(3):
+    for fn in (select, embed):
+        got = chain(fn, table, idx).cpu()
+        torch.testing.assert_close(got, chain(fn, table_cpu, idx_cpu))
+    cache.clear()
+print("OK", cache.stats()["programs_loaded"])
+"""
+
+
+def test_fused_programs_reloaded_after_clear_run(tmp_path):
+    # Two stored graphs whose compiled code shares function names, dropped from
+    # memory and asked for again in the same process: executables XLA's CPU
+    # runtime loaded a second time failed when run ("Function ... not
+    # found").
+    path = tmp_path / "reload.py"
+    path.write_text(RELOAD_SCRIPT)
+    for _ in range(2):  # the second process loads both graphs from disk
+        proc = subprocess.run([sys.executable, str(path)], env=_env(tmp_path / "cc", "fused"),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "OK" in proc.stdout

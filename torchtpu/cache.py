@@ -585,12 +585,11 @@ def jit(fn, name=None, donate_argnums=()):
 
 
 # ---- stored programs ------------------------------------------------------------
-# A fused graph's compiled executable, stored (beside JAX's entries) under a
-# key that is stable across processes: the graph's ops, argument shapes,
-# torchtpu's own code, the platform, devices and XLA flags. A warm start loads it and runs it, without tracing the
-# graph op by op, lowering it or hashing its module for JAX's cache key.
+# A fused graph's traced program, stored (beside JAX's entries) under a key
+# that is stable across processes: the graph's ops, argument shapes,
+# torchtpu's own code, the platform, devices and XLA flags. A warm start
+# loads it instead of tracing the graph op by op again.
 PROGRAM_PREFIX = "program-"
-_PROGRAM_FORMAT = b"torchtpu-executable-1\n"
 _source_version = None
 
 
@@ -624,70 +623,37 @@ def _program_context(args):
         *(f"{name}={os.environ.get(name, '')}" for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"))])
 
 
-def _dump_program(compiled):
-    """compiled (jax.stages.Compiled) as bytes: a header line of JSON, the
-    argument and result tree structures, then the serialized executable."""
-    import pickle
-    from jax.experimental import serialize_executable
-    executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-    trees = pickle.dumps((in_tree, out_tree))
-    # The executable calls LAPACK through handlers JAX sets up while lowering
-    # a linear-algebra op; a loaded one must set them up itself.
-    header = json.dumps({"trees": len(trees),
-                         "lapack": "lapack" in compiled.as_text()}).encode()
-    return _PROGRAM_FORMAT + header + b"\n" + trees + executable
-
-
-def _load_program(blob):
-    """The Compiled that _dump_program stored; raises ValueError (or what
-    unpickling raises) for anything else."""
-    import pickle
-    from jax.experimental import serialize_executable
-    if not blob.startswith(_PROGRAM_FORMAT):
-        raise ValueError("not a stored executable of this torchtpu")
-    blob = blob[len(_PROGRAM_FORMAT):]
-    end = blob.index(b"\n")
-    header = json.loads(blob[:end])
-    trees_end = end + 1 + header["trees"]
-    in_tree, out_tree = pickle.loads(blob[end + 1:trees_end])
-    if header["lapack"]:
-        from jax._src.lax import linalg
-        linalg.initialize_lapack()
-    return serialize_executable.deserialize_and_load(blob[trees_end:], in_tree, out_tree)
-
-
 def jit_stored(fn, args, key_text, name=None, donate_argnums=()):
-    """jit(fn) for these args through a stored executable: key_text describes
-    fn completely and the same way in every process (None: not storable).
-    Returns a callable for arguments of these shapes and types only."""
+    """jit(fn) for these args through a stored program: key_text describes fn
+    completely and the same way in every process (None: not storable).
+
+    What is stored is the traced program (StableHLO, via jax.export), and
+    JAX's persistent cache then finds the executable compiled from it. Not
+    the executable itself (jax.experimental.serialize_executable): XLA's CPU
+    runtime cannot hold two loaded executables that share function names,
+    and one of them fails when it runs ("Function ... not found")."""
     store_ = _jax_cc._cache if DISK_DIR is not None and _jax_cc is not None else None
     if key_text is None or not isinstance(store_, DiskCache):
         return jit(fn, name, donate_argnums)
     key_text += f"\ndonate {tuple(donate_argnums)}\n{_program_context(args)}"
+    from jax import export
     key = PROGRAM_PREFIX + _sha256((_source_digest() + "\n" + key_text).encode())
-    start = time.monotonic()
     blob = store_.get(key)
-    saved = _tl.hit_compile_seconds
     if blob is not None:
         try:
-            compiled = _load_program(blob)
-        except Exception as e:  # damaged: compile again (JAX's entry may serve) and replace
-            store_._corrupt(key, f"{type(e).__name__}: {e}")
-        else:
+            program = export.deserialize(bytearray(blob))
             STATS.programs_loaded += 1
-            metrics.M.disk_cache_hits += 1  # an executable from disk, as JAX counts its own
-            if saved is not None:
-                STATS.compile_seconds_saved += saved - (time.monotonic() - start)
-            return compiled
+            return jax.jit(program.call, donate_argnums=donate_argnums)
+        except Exception as e:  # a damaged program: trace again and replace it
+            store_._corrupt(key, f"{type(e).__name__}: {e}")
     jitted = jit(fn, name, donate_argnums)
-    compiled = jitted.lower(*args).compile()
     try:
-        blob = _dump_program(compiled)
-    except Exception:  # not serializable (a host callback, a custom call)
-        return compiled
-    _tl.miss_at = start  # the check file records what building it took
-    store_.put(key, blob)
-    return compiled
+        program = export.export(jitted)(*args)
+        blob = program.serialize()
+    except Exception:  # not exportable (a custom call without a stable form)
+        return jitted
+    store_.put(key, bytes(blob))
+    return jax.jit(program.call, donate_argnums=donate_argnums)
 
 
 def stats():
