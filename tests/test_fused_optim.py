@@ -273,8 +273,9 @@ def test_bad_lists_raise_as_on_cpu(wrong):
     with pytest.raises(RuntimeError) as cpu_error:
         _bad_call("cpu", wrong)
     expected = str(cpu_error.value).split("  (Could")[0]
-    with pytest.raises(RuntimeError, match=re.escape(expected)):
+    with pytest.raises(RuntimeError, match=re.escape(expected)) as tpu_error:
         _bad_call("tpu", wrong)
+    assert "torchtpu bug" not in str(tpu_error.value)
 
 
 def test_mismatched_shapes_raise():

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 
 from . import lower
+from .util import bad_input
 
 aten = torch.ops.aten
 
@@ -30,17 +31,18 @@ def _check_lists(params, unused=None, **lists):
     tensor has its parameter's shape (CUDA checks it; CPU reads out of
     bounds)."""
     if unused is not None and len(unused[1]):
-        raise RuntimeError(f"Expected {unused[0]}.empty() to be true, but got false.")
+        raise bad_input(RuntimeError, f"Expected {unused[0]}.empty() to be true, but got false.")
     n = len(params)
     for name, tensors in lists.items():
         if len(tensors) != n:
-            raise RuntimeError(f"Expected {name}.size() == n_tensors to be true, but got false.")
+            raise bad_input(RuntimeError,
+                            f"Expected {name}.size() == n_tensors to be true, but got false.")
         if name == "state_steps":
             continue
         for i, (p, t) in enumerate(zip(params, tensors)):
             if t.shape != p.shape:
-                raise RuntimeError(f"{name}[{i}] has shape {list(t.shape)}, but its parameter "
-                                   f"has shape {list(p.shape)}")
+                raise bad_input(RuntimeError, f"{name}[{i}] has shape {list(t.shape)}, but its "
+                                f"parameter has shape {list(p.shape)}")
 
 
 def _unscaled(grad, grad_scale, maximize, dtype):

@@ -7,7 +7,16 @@ from torch._prims_common import elementwise_dtypes
 
 from .. import runtime
 
-__all__ = ["KIND", "promote", "jdt", "tdt", "is_weak_scalar", "cast", "ctx_dtype"]
+__all__ = ["KIND", "promote", "jdt", "tdt", "is_weak_scalar", "cast", "ctx_dtype", "bad_input"]
+
+
+def bad_input(cls, message):
+    """An error of PyTorch's type for bad arguments, raised by a lowering as
+    the user's error (the dispatcher reports other errors raised in a
+    lowering as torchtpu's own bugs)."""
+    e = cls(message)
+    e._torchtpu = True
+    return e
 
 
 def jdt(dtype):
