@@ -5,13 +5,11 @@ against the same step in float32, in fused and strict mode.
 Each figure is the median of several repeats; the two precisions of one model
 and mode are timed side by side in one process, their steps alternating.
 """
-import statistics
-
 import torch
 import torch.nn.functional as F
 
 import torchtpu
-from common import timings
+from common import alternating_ms
 from fused import TinyGPT, gpt_batch, mlp, mlp_batch
 
 
@@ -44,14 +42,9 @@ def amp_training_steps(repeats=7, warmup=3):
             ("GPT 4 layers d256 h4, seq 128, batch 8, vocab 512", TinyGPT, gpt_batch)):
         for mode in ("fused", "strict"):
             with torchtpu.eager_mode(mode):
-                f32, bf16 = (_steps(make_model, make_batch, a) for a in (False, True))
-                for _ in range(warmup):
-                    f32(), bf16()
-                times = {"f32": [], "bf16": []}
-                for _ in range(repeats):
-                    times["f32"].append(timings(f32, 1, warmup=0)[0])
-                    times["bf16"].append(timings(bf16, 1, warmup=0)[0])
-            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                ms = alternating_ms({"f32": _steps(make_model, make_batch, False),
+                                     "bf16": _steps(make_model, make_batch, True)},
+                                    repeats, warmup)
             rows.append(dict(ms, model=name, mode=mode, ratio=ms["bf16"] / ms["f32"]))
     return rows
 

@@ -16,6 +16,19 @@ def timings(fn, repeats, warmup=1):
     return statistics.median(times), min(times)
 
 
+def alternating_ms(fns, repeats, warmup):
+    """{name: median ms of fns[name]()}, the calls alternating between the
+    functions so that all of them see the same machine load."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timings(fn, 1, warmup=0)[0])
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+
+
 def table(bench, rows):
     """A markdown table of rows, with the columns (key, title, format) that
     the benchmark function carries as bench.columns."""

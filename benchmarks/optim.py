@@ -6,13 +6,11 @@ Two figures per mode: the whole training step (forward, backward, step,
 loss read, then a sync) and opt.step() alone followed by a sync. The two optimizers'
 steps alternate, so both see the same machine load; medians of the repeats.
 """
-import statistics
-
 import torch
 import torch.nn.functional as F
 
 import torchtpu
-from common import timings
+from common import alternating_ms
 from fused import mlp, mlp_batch
 
 
@@ -46,14 +44,8 @@ def fused_adamw(repeats=7, warmup=3):
         with torchtpu.eager_mode(mode):
             runs = {"foreach": _setup(None), "fused": _setup(True)}
             for what, index in (("training step", 0), ("opt.step() + sync", 1)):
-                for _ in range(warmup):
-                    for fns in runs.values():
-                        fns[index]()
-                times = {k: [] for k in runs}
-                for _ in range(repeats):
-                    for k, fns in runs.items():
-                        times[k].append(timings(fns[index], 1, warmup=0)[0])
-                ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+                ms = alternating_ms({k: fns[index] for k, fns in runs.items()},
+                                    repeats, warmup)
                 rows.append(dict(ms, mode=mode, what=what, ratio=ms["foreach"] / ms["fused"]))
     return rows
 
