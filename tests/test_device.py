@@ -85,10 +85,9 @@ class _TiedLM(torch.nn.Module):
 
 
 def test_tied_weights_of_a_model_built_on_tpu():
-    # Module.to() gives each module a new parameter of its own for a device
-    # whose tensors are not CPU's tensor type, so it unties shared weights
-    # (README); a model built on the device keeps them tied, and the shared
-    # weight's gradient sums both uses, as on CPU.
+    # A model built on the device (the other way in, beside .to(), which
+    # keeps ties too: tests/test_module_conversion.py) keeps its weights
+    # tied, and the shared weight's gradient sums both uses, as on CPU.
     torch.manual_seed(0)
     cpu = _TiedLM()
     with torch.device(torchtpu.get_device()):
