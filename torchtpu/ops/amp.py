@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import lower
+from .registry import lower
 
 aten = torch.ops.aten
 

@@ -3,14 +3,14 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import lower
+from .registry import lower
 from .util import ctx_dtype
 
 aten = torch.ops.aten
 
 
 def _out_shape(i=0):
-    from . import ctx
+    from .registry import ctx
     return tuple(ctx.out[i].shape)
 
 

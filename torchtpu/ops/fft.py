@@ -10,7 +10,7 @@ import math
 import jax.numpy as jnp
 import torch
 
-from . import lower
+from .registry import lower
 from .util import ctx_dtype
 
 aten = torch.ops.aten

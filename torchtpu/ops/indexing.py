@@ -10,7 +10,7 @@ mode, inside the op's kernel otherwise: torchtpu.bounds).
 import jax.numpy as jnp
 import torch
 
-from . import lower
+from .registry import lower
 from .util import ctx_dtype
 
 aten = torch.ops.aten
@@ -131,7 +131,7 @@ def _as_1d(fn):
             rest = [r.reshape(1) if hasattr(r, "ndim") and r.ndim == 0 and not _weak(r) else r
                     for r in rest]
             out = fn(x.reshape(1), 0, index.reshape(-1), *rest, **kwargs)
-            from . import ctx
+            from .registry import ctx
             return out.reshape(tuple(ctx.out[0].shape))
         return fn(x, dim, index, *rest, **kwargs)
     lowering.__name__ = fn.__name__
@@ -255,7 +255,7 @@ def _source(x, dim, source):
 @lower(aten.index_select.default)
 def index_select(x, dim, index):
     if x.ndim == 0:
-        from . import ctx
+        from .registry import ctx
         return x.reshape(1)[wrap(index.reshape(-1), 1)].reshape(tuple(ctx.out[0].shape))
     dim = _dim(dim, x.ndim)
     return jnp.take(x, wrap(index.reshape(-1), x.shape[dim]), axis=dim)

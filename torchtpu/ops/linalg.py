@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import ctx, lower
+from .registry import ctx, lower
 from .util import ctx_dtype, rounder
 
 aten = torch.ops.aten

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import ctx, lower
+from .registry import ctx, lower
 from . import random as rng
 from .util import ctx_dtype, rounder
 

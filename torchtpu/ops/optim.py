@@ -14,7 +14,7 @@ kernel); the other hyperparameters are constants of the kernel.
 import jax.numpy as jnp
 import torch
 
-from . import lower
+from .registry import lower
 from .util import bad_input
 
 aten = torch.ops.aten

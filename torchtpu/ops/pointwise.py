@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import LOWERINGS, lower
+from .registry import LOWERINGS, lower
 from .util import KIND, cast, ctx_dtype, promote
 
 aten = torch.ops.aten

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import ctx, lower
+from .registry import ctx, lower
 from .util import ctx_dtype
 
 aten = torch.ops.aten

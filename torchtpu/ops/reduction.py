@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import ctx, lower
+from .registry import ctx, lower
 from .pointwise import _TORCH_NAMES
 from .util import KIND, ctx_dtype, is_weak_scalar, jdt, promote, tdt
 
@@ -245,7 +245,7 @@ norm.static_args = ("p",)
 
 @lower(aten._foreach_norm.Scalar)
 def foreach_norm(tensors, ord=2, dtype=None):
-    from . import ctx
+    from .registry import ctx
     return [_vector_norm(x, ord, None, False, jdt(m.dtype)) for x, m in zip(tensors, ctx.out)]
 
 
@@ -254,7 +254,7 @@ foreach_norm.static_args = ("ord",)
 
 @lower(aten._foreach_powsum.Scalar)
 def foreach_powsum(tensors, ord=2, dtype=None):
-    from . import ctx
+    from .registry import ctx
     out = []
     for x, m in zip(tensors, ctx.out):
         acc = _acc(jdt(m.dtype))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import lower
+from .registry import lower
 from .pointwise import guard
 from .util import KIND, promote
 

@@ -69,5 +69,5 @@ def rounder(dtype):
 
 def ctx_dtype(i=0):
     """The jax dtype PyTorch's meta kernel gives output i of the traced op."""
-    from . import ctx
+    from .registry import ctx
     return jdt(ctx.out[i].dtype)
