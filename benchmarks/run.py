@@ -1,9 +1,11 @@
-"""torchtpu benchmarks (`make bench`).
+"""torchtpu benchmarks (`make bench`): the runner.
 
-Each benchmark is a function returning a list of rows (dicts); main() runs the
+Each benchmark is a function in its own module returning a list of rows
+(dicts), with the table's title and columns attached to it; main() runs the
 ones asked for, prints their tables and writes them into docs/performance.md
 between the markers named after the benchmark. Add a benchmark by writing a
-function and listing it in BENCHMARKS.
+module and listing its function in BENCHMARKS. Benchmark modules import only
+common.py (and fused.py's models), never this runner.
 
     python benchmarks/run.py                 # all
     python benchmarks/run.py per_op          # some
@@ -24,63 +26,15 @@ import torchtpu  # noqa: E402
 from amp import amp_training_steps  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
 from compiled_hf import compiled_hf_step  # noqa: E402
-from common import table, timings  # noqa: E402
+from common import table  # noqa: E402
 from fused import training_steps  # noqa: E402
 from index_check import index_check  # noqa: E402
 from optim import fused_adamw  # noqa: E402
+from per_op import per_op  # noqa: E402
 from transfers import transfers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "performance.md")
-
-
-# ---- benchmarks -------------------------------------------------------------
-
-class _NullTensor(torch.Tensor):
-    """A tensor subclass whose every op returns a new, empty wrapper."""
-    @staticmethod
-    def __new__(cls, shape, dtype):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="tpu")
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return cls(args[0].shape, args[0].dtype)
-
-
-def per_op(n_ops=1000, size=128, repeats=9):
-    """Per-op cost of `c = c + y` on size x size float32: n_ops ops, then one sync."""
-    rows = []
-    y_cpu = torch.randn(size, size)
-
-    def loop(y, sync):
-        def run():
-            c = torch.zeros_like(y)
-            for _ in range(n_ops):
-                c = c + y
-            sync(c)
-        return run
-
-    def row(name, fn):
-        median, best = timings(fn, repeats)
-        return {"mode": name, "median": median / n_ops * 1e6, "best": best / n_ops * 1e6}
-
-    rows.append(row("PyTorch CPU eager", loop(y_cpu, lambda c: None)))
-    # What PyTorch itself costs a Python backend per op: entering
-    # __torch_dispatch__ and making the result's wrapper tensor, nothing else.
-    floor = _NullTensor(y_cpu.shape, y_cpu.dtype)
-    rows.append(row("floor: empty __torch_dispatch__ subclass", loop(floor, lambda c: None)))
-    y = y_cpu.to("tpu")
-    for mode in ("fused", "strict", "debug"):
-        with torchtpu.eager_mode(mode):
-            rows.append(row(f"torchtpu {mode}", loop(y, lambda c: torchtpu.sync())))
-    return rows
-
-
-per_op.title = "Per-op dispatch cost: `c = c + y`, 128x128 float32, 1000 ops then one sync"
-per_op.columns = [("mode", "mode", "{}"), ("median", "µs per op (median)", "{:.1f}"),
-                  ("best", "µs per op (best)", "{:.1f}")]
 
 
 BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
