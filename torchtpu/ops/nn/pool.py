@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from jax import lax
 
-from .registry import ctx, lower
-from . import random as rng
-from .util import ctx_dtype, rounder
+from ..registry import ctx, lower
+from .. import random as rng
+from ..util import ctx_dtype, rounder
 
 aten = torch.ops.aten
 HIGHEST = lax.Precision.HIGHEST
