@@ -8,7 +8,7 @@ import torch
 from jax import lax
 
 from .registry import lower
-from .pointwise import guard
+from .pointwise.common import guard
 from .util import KIND, promote
 
 aten = torch.ops.aten
