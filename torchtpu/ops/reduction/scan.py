@@ -10,8 +10,6 @@ from .common import _acc, _isnan, _require
 aten = torch.ops.aten
 
 
-# ---- scans -------------------------------------------------------------------
-
 def _scan(jfn):
     def lowering(x, dim, *, dtype=None):
         out = ctx_dtype()

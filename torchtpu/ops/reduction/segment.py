@@ -11,8 +11,6 @@ from .common import _acc
 aten = torch.ops.aten
 
 
-# ---- segment reductions ------------------------------------------------------------
-
 def _segment_layout(data, lengths, offsets, axis):
     """data as (outer, N, inner); each position's segment (outer, N), S where
     it lies in none; the segment lengths (outer, S)."""

@@ -11,8 +11,6 @@ from .common import _isnan, _require
 aten = torch.ops.aten
 
 
-# ---- sorting and selection ---------------------------------------------------
-#
 # PyTorch's CPU sort (stable=False), topk and kthvalue run libstdc++'s
 # std::sort / std::nth_element or PyTorch's own quickselect, so the indices
 # of equal elements are whatever those algorithms' swaps leave. Their
