@@ -1,3 +1,20 @@
-"""Neural-network lowerings (one module for now)."""
-from . import pool  # noqa: F401
-from .pool import scaled_dot_product_attention  # noqa: F401
+"""Neural-network lowerings, one module per sub-family:
+
+- common: helpers they share (compute dtype, full precision, per-dim args);
+- conv: convolution, plain and transposed, and its backward;
+- pool: average, max, adaptive and fractional pooling;
+- attention: softmax and log-softmax, scaled_dot_product_attention;
+- norm: batch, layer and group normalization;
+- loss: nll, margin and multilabel-margin losses, CTC;
+- embedding: embedding_bag, dropout's backward;
+- activation: rrelu, _trilinear, the fused LSTM cell;
+- resample: upsampling and grid sampling.
+
+Float work runs at full precision (Precision.HIGHEST) and bf16/f16 inputs
+compute in float32, as PyTorch's CPU kernels do. Backward ops that have a
+simple forward are lowered as the JAX vjp of that forward, so forward and
+backward agree by construction.
+"""
+# In the order they registered as one module, so LOWERINGS fills as before.
+from . import conv, pool, attention, norm, loss, embedding, activation, resample  # noqa: F401
+from .attention import scaled_dot_product_attention  # noqa: F401
