@@ -152,7 +152,7 @@ def test_full_traceback_keeps_frames(monkeypatch):
     with pytest.raises(TypeError) as err:
         torch.ops.ttpu_test.bad_trace(x)
     paths = [str(e.path) for e in err.traceback]
-    assert any(p.endswith(os.path.join("torchtpu", "dispatch.py")) for p in paths)
+    assert any(os.path.join("torchtpu", "dispatch", "") in p for p in paths)
     assert any(os.sep + "jax" + os.sep in p for p in paths)
 
 

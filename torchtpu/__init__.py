@@ -35,7 +35,7 @@ if _dist.is_available():
     from . import distributed as _distributed
     _distributed.register()
 
-# sync: all issued work, uploads from pinned memory included (device.synchronize).
+# sync: all issued work, uploads from pinned memory included (streams.synchronize).
 from .device import get_device, synchronize as sync  # noqa: E402
 from .modes import eager_mode, get_eager_mode, set_eager_mode  # noqa: E402
 from .tensor import TpuTensor  # noqa: E402

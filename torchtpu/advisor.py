@@ -64,8 +64,7 @@ def note_new_kernel(op):
 
 def sync_point(read):
     """Run read() (a device->host transfer), noting its line and wait."""
-    from . import modes
-    reason = modes._sync_reason or "read"
+    reason = metrics.sync_reason() or "read"
     S.syncs[(errors.user_line(sys._getframe(1)), reason)] += 1
     start = time.perf_counter()
     try:

@@ -9,6 +9,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from . import memory, properties, runtime, streams
 from .ops import random as _random
+from .streams import synchronize
 
 aten = torch.ops.aten
 
@@ -16,14 +17,6 @@ aten = torch.ops.aten
 def get_device(index=0):
     """The torch.device to hand to .to(), factories and modules."""
     return torch.device("tpu", index)
-
-
-def synchronize(device=None):
-    """Wait for all issued work: ops, and uploads from pinned memory."""
-    from . import modes
-    properties.check_index(properties.device_index(device, optional=True))
-    runtime.wait_transfers()
-    modes.sync()
 
 
 def _module():

@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
     _JAX = (_dir(jax),)
 _SKIP = (_dir(torch), os.path.dirname(os.path.abspath(__file__)) + os.sep) + _JAX
 _OPS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops") + os.sep
-_DISPATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch.py")
+_KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch", "kernels.py")
 _TRACER_ERRORS = tuple(getattr(jax.errors, n) for n in (
     "ConcretizationTypeError", "TracerBoolConversionError",
     "TracerIntegerConversionError", "TracerArrayConversionError") if hasattr(jax.errors, n))
@@ -122,7 +122,7 @@ def _origin(tb):
     flush = None
     for frame in _frames(tb):
         name = frame.f_code.co_filename
-        if name.startswith(_OPS_DIR) or (name == _DISPATCH and frame.f_code.co_name == "fn"):
+        if name.startswith(_OPS_DIR) or (name == _KERNELS and frame.f_code.co_name == "fn"):
             in_lowering = True  # inside a lowering, or the kernel tracing it
         elif name.startswith(_JAX):
             in_jax = True
@@ -136,7 +136,7 @@ def _fused_graph_ops(flush_frame):
     was running."""
     g = flush_frame.f_locals.get("g")
     nodes = getattr(g, "nodes", None) or []
-    lines = _graph_lines(g)
+    lines = graph_lines(g)
     names = []
     for i, (kernel, _) in enumerate(nodes):
         line = lines[i] if lines else None
@@ -447,17 +447,18 @@ def bound_for(func, functional=None):
     return bound
 
 
-def check_bounds(func, args, kwargs, functional=None, line=None):
+def check_bounds(func, args, kwargs, functional=None, line=None, to_host=None):
     """PyTorch's range check for func's index arguments, on the host (syncs:
     debug mode and the CPU fallback only). Raises what CPU raises, naming
-    the op and the user's line."""
+    the op and the user's line. to_host(t) reads a tpu tensor's values as a
+    CPU tensor (the dispatcher's; the CPU fallback passes CPU tensors)."""
     bound = bound_for(func, functional)
     if bound is None:
         return
     for index, dim, size, negative_ok, *allowed in bound.spec(*args, **kwargs):
         if not isinstance(index, torch.Tensor) or index.numel() == 0:
             continue
-        values = _host(index)
+        values = (to_host(index) if index.device.type == "tpu" else index.detach()).reshape(-1)
         bad = (values < (-size if negative_ok else 0)) | (values >= size)
         if allowed:
             bad &= values != allowed[0]
@@ -467,15 +468,8 @@ def check_bounds(func, args, kwargs, functional=None, line=None):
                                int(values[position]), dim, size, position)
 
 
-def _host(t):
-    if t.device.type != "tpu":
-        return t.detach().reshape(-1)
-    from . import runtime
-    from .dispatch import device_array
-    return runtime.to_host(device_array(t)).reshape(-1)
 
-
-# ---- checked runs (debug mode, NaN checks) ---------------------------------
+# ---- NaN/Inf checks' switch and report (run by torchtpu.modes.checks) -------
 
 def check_nans_enabled():
     return os.environ.get("TORCHTPU_CHECK_NANS") == "1"
@@ -498,62 +492,23 @@ def set_check_nans(on=True):
     os.environ["TORCHTPU_CHECK_NANS"] = "1" if on else "0"
 
 
-# Fused mode with checks on: (kernel, user line) per recorded op, in
-# recording order; the flush takes them.
-_fused_log = []
-
-
-def checked_run(ex, plan, kernel, flat, storages, args, kwargs):
-    """ex.run with debug mode's checks: index bounds before, NaN/Inf after."""
-    if ex.name == "debug":
-        check_bounds(plan.func, args, kwargs, plan.functional, user_line(sys._getframe(1)))
-    outs, written = ex.run(kernel, flat, storages)
-    if not nan_checks_on():
-        return outs, written
-    from .modes import debug as dbg
-    arrays = tuple(outs) + tuple(written)
-    if any(not hasattr(a, "block_until_ready") for a in arrays):
-        # Recorded, not run (fused): remember where, check at the flush.
-        _fused_log.append((kernel, user_line(sys._getframe(1))))
-        return outs, written
-    if dbg.any_nonfinite(arrays):
-        raise RuntimeError(nan_message(kernel.name, user_line(sys._getframe(1))))
-    return outs, written
-
-
 def nan_message(op, line):
     return (f"torchtpu: {op} produced NaN or Inf (TORCHTPU_CHECK_NANS=1); "
             f"issued at {line}")
 
 
-def _graph_lines(g):
+# Fused mode with NaN checks on: (kernel, user line) per recorded op, in
+# recording order (torchtpu.modes.checks logs them; the flush takes them).
+FUSED_LINES = []
+
+
+def graph_lines(g):
     """The issuing lines of a fused graph's nodes, if checks recorded them."""
     nodes = getattr(g, "nodes", None) or []
     n = len(nodes)
-    if len(_fused_log) < n:
+    if len(FUSED_LINES) < n:
         return None
-    entries = _fused_log[:n]
+    entries = FUSED_LINES[:n]
     if any(k is not node[0] for (k, _), node in zip(entries, nodes)):
         return None
     return [line for _, line in entries]
-
-
-def after_flush(g, results):
-    """Fused mode: with NaN checks on, a flushed graph whose results hold
-    NaN/Inf is replayed op by op to name the first op that produced one."""
-    if not _fused_log and not nan_checks_on():
-        return
-    lines = _graph_lines(g)
-    del _fused_log[:len(g.nodes)]
-    if not nan_checks_on():
-        return
-    from .modes import debug as dbg
-    if not dbg.any_nonfinite(results):
-        return
-    found = dbg.replay_for_nan(g)
-    if found is None:
-        raise RuntimeError("torchtpu: a fused graph produced NaN or Inf "
-                                 "(TORCHTPU_CHECK_NANS=1)")
-    i, name = found
-    line = lines[i] if lines else "<line not recorded: set TORCHTPU_CHECK_NANS=1 before the op>"
-    raise RuntimeError(nan_message(name, line))

@@ -290,6 +290,11 @@ def _patch_safetensors():
 
 
 def install():
+    # torch.save and pickle write a tpu tensor as PyTorch writes a CUDA one:
+    # its storage's bytes, tagged with the device, and how it views them.
+    TpuTensor.__reduce_ex__ = lambda t, proto: reduce_tensor(t)
+    TpuTensor.untyped_storage = untyped_storage
+    TpuTensor.data_ptr = data_ptr
     dispatch.SPECIAL[aten.set_.source_Storage_storage_offset] = _set_storage
     dispatch.SPECIAL[aten.set_.source_Storage] = _set_storage
     torch.serialization.register_package(_PACKAGE_PRIORITY, _tag, _restore)

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from . import memory, properties
+from . import memory, properties, runtime
 
 _TorchStream = torch.Stream
 _TorchEvent = torch.Event
@@ -43,8 +43,15 @@ def _issue_pending():
         flush("event")
 
 
+def synchronize(device=None):
+    """Wait for all issued work: ops, and uploads from pinned memory."""
+    from . import modes  # (its executors need the device registered first)
+    properties.check_index(properties.device_index(device, optional=True))
+    runtime.wait_transfers()
+    modes.sync()
+
+
 def _wait_for_all():
-    from .device import synchronize  # (device imports this module)
     synchronize()
 
 

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from . import metrics
+
 DEVICE = torch.device("tpu", 0)
 
 
@@ -153,26 +155,13 @@ class TpuTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch(func, args, kwargs or {})
 
-    # torch.save and pickle write a tpu tensor as PyTorch writes a CUDA one:
-    # its storage's bytes, tagged with the device, and how it views them
-    # (torchtpu.serialization).
-    def __reduce_ex__(self, proto):
-        from .serialization import reduce_tensor
-        return reduce_tensor(self)
-
-    def untyped_storage(self):
-        from .serialization import untyped_storage
-        return untyped_storage(self)
-
-    def data_ptr(self):
-        from .serialization import data_ptr
-        return data_ptr(self)
+    # __reduce_ex__ (torch.save and pickle), untyped_storage and data_ptr are
+    # set by torchtpu.serialization, which reads values through the dispatcher.
 
     def __repr__(self, *, tensor_contents=None):
         # Print a CPU copy (one transfer, no device ops), then name the device
         # where PyTorch puts it: the first suffix after the data.
-        from . import modes
-        modes.note_sync("print")
+        metrics.note_sync("print")
         text = torch._tensor_str._str(self.detach().cpu(), tensor_contents=tensor_contents)
         device = f"device='{self.device}'"
         match = re.search(r",(\s+)(size=|dtype=)", text)
@@ -202,11 +191,14 @@ class TpuTensor(torch.Tensor):
 
 
 def _dispatch(func, args, kwargs):
-    """Bound to dispatch.dispatch on first use (no import per op)."""
+    raise RuntimeError("torchtpu.dispatch is not imported: import torchtpu")
+
+
+def set_dispatcher(fn):
+    """The dispatcher (torchtpu.dispatch) registers itself: fn(func, args,
+    kwargs) runs every aten op on a tpu tensor."""
     global _dispatch
-    from .dispatch import dispatch
-    _dispatch = dispatch
-    return dispatch(func, args, kwargs)
+    _dispatch = fn
 
 
 def wrap(array, dtype=None):

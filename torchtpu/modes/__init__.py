@@ -7,10 +7,12 @@ sync() -> wait for all issued work.
 import contextlib
 import os
 
+from .. import metrics
+from ..metrics import note_sync  # noqa: F401  (callers name sync reasons through modes)
+
 MODES = ("debug", "strict", "fused")
 _executors = {}
 _current = None
-_sync_reason = None
 
 
 def _executor(name):
@@ -64,23 +66,8 @@ def eager_mode(name):
         set_eager_mode(previous)
 
 
-def note_sync(reason):
-    """Name the reason for the next read of device values (fused mode reports
-    it per flush). The outermost caller names it: print() reads through .cpu()."""
-    global _sync_reason
-    if _sync_reason is None:
-        _sync_reason = reason
-
-
-def take_sync_reason(default):
-    global _sync_reason
-    reason, _sync_reason = _sync_reason, None
-    return reason or default
-
-
 def sync():
     """Wait for all pending work."""
-    from .. import metrics
     metrics.M.syncs += 1
     note_sync("sync")
     _current.sync()

@@ -24,6 +24,7 @@ import weakref
 import jax
 
 from .. import bounds, cache, errors, metrics
+from . import checks
 from ..tensor import Lost, Pending
 from .strict import StrictExecutor
 
@@ -178,16 +179,14 @@ class FusedExecutor(StrictExecutor):
         return x
 
     def concrete(self, storage):
-        from . import take_sync_reason
-        reason = take_sync_reason("read")
+        reason = metrics.take_sync_reason("read")
         if type(storage.array) is Pending:
             self.flush(reason)
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
     def sync(self):
-        from . import take_sync_reason
-        self.flush(take_sync_reason("sync"))
+        self.flush(metrics.take_sync_reason("sync"))
         super().sync()
 
     # -- flushing ----------------------------------------------------------
@@ -249,7 +248,7 @@ class FusedExecutor(StrictExecutor):
         self._last = results
         for (p, owner), value in zip(live, results):
             owner.array = value
-        errors.after_flush(g, results)  # NaN/Inf checks name the op and line
+        checks.after_flush(g, results)  # NaN/Inf checks name the op and line
 
     def _recover(self, g, live, live_refs, site, error):
         """A fused graph failed to compile or run: run its ops one by one.

@@ -2,6 +2,8 @@
 ahead until a value is needed."""
 import jax
 
+from .. import metrics
+
 
 class StrictExecutor:
     name = "strict"
@@ -15,15 +17,13 @@ class StrictExecutor:
         return outs, written
 
     def concrete(self, storage):
-        from . import take_sync_reason
-        take_sync_reason(None)
+        metrics.take_sync_reason(None)
         from .. import bounds  # not at import: it needs the tpu device named
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
     def sync(self):
-        from . import take_sync_reason
-        take_sync_reason(None)
+        metrics.take_sync_reason(None)
         if self._last is not None:
             jax.block_until_ready(self._last)
             self._last = None

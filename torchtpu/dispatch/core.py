@@ -1,0 +1,509 @@
+"""__torch_dispatch__: find the lowering, apply view and mutation rules from the
+op's schema, hand the kernel to the active executor.
+
+The one place for view and mutation rules:
+- an op whose schema returns an alias of an input without writing it is a
+  view: its result shares the input's Storage, with shape/stride/offset taken
+  from PyTorch's own meta kernel;
+- an op whose schema writes arguments (in-place, out=, running stats) runs
+  its functional variant, and the kernel writes the results back into the
+  written tensors' storages through their views.
+"""
+import itertools
+import math
+import sys
+import warnings
+
+import jax.numpy as jnp
+import torch
+from torch._decomp import decomposition_table
+
+from .. import advisor, bounds, cache, errors, metrics, modes, runtime
+from ..modes import checks
+from ..ops import random as rng
+from ..tensor import Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
+from .host import download, host_values, to_tpu
+from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
+                      _physical_order, _run_meta, _spec, _unflatten)
+from .plans import _INDICES, SPECIAL, Plan
+
+aten = torch.ops.aten
+
+
+# ---- per-op plans ----------------------------------------------------------
+
+_plans = {}
+# The same plans by id(func): OpOverload hashes in Python, id() does not (the
+# plan keeps func alive, so its id stays unique).
+_plans_by_id = {}
+
+
+def plan_of(func):
+    p = _plans.get(func)
+    if p is None:
+        p = _plans[func] = Plan(func)
+        p.special = SPECIAL.get(func)
+        p.handler = _handler(p)
+        _plans_by_id[id(func)] = p
+    return p
+
+
+def _handler(plan):
+    """The function dispatch() hands this op's calls to: chosen once per op."""
+    if plan.special is not None:
+        special = plan.special
+        return lambda plan, args, kwargs: special(*args, **kwargs)
+    if plan.kind == "lower" or plan.kind == "mutate":
+        return _run_lowered if plan.accepts is None else _run_accepted
+    if plan.kind == "view":
+        return _run_view
+    if plan.kind == "view_inplace":
+        return _run_view_inplace
+    return _run_other
+
+
+# ---- the dispatcher --------------------------------------------------------
+
+def dispatch(func, args, kwargs):
+    try:
+        plan = _plans_by_id.get(id(func)) or plan_of(func)
+        return plan.handler(plan, args, kwargs)
+    except Exception as e:
+        lost = _lost_argument(args, kwargs)
+        if lost is not None and _overwrite_lost(func, args):
+            return dispatch(func, args, kwargs)
+        if lost is not None and lost.error is not e:
+            # An input's op failed earlier: that error, not this op's.
+            e = lost.exception()
+        # PyTorch's exception type, at the user's line (torchtpu.errors).
+        err = errors.user_error(e, func, args, kwargs)
+        if errors.in_backward():
+            # Raising here would abort the process (errors.raise_after_backward):
+            # the pass goes on with lost values and raises err when it ends.
+            results = _lost_results(func, args, kwargs, lost.error if lost is not None else err)
+            if results is not None:
+                errors.raise_after_backward(err)
+                return results
+            errors.report_unrecoverable(err, func)
+        raise err
+
+
+# Ops whose result does not depend on the old value of the tensor they write.
+_OVERWRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
+
+
+def _overwrite_lost(func, args):
+    """Whether func writes all of a lost tensor (load_state_dict's copy_ into
+    parameters lost in a failed step) and reads no other lost value: then
+    the storage is given zeros to write over, and the call is run again."""
+    if func not in _OVERWRITES or type(args[0]) is not TpuTensor or args[0]._view is not None:
+        return False
+    storage = args[0]._storage
+    old = storage.array
+    if type(old) is not Lost or _lost_argument(args[1:], {}) is not None:
+        return False
+    storage.assign(jnp.zeros(old.shape, old.dtype))
+    return True
+
+
+def _lost_argument(args, kwargs):
+    """The Lost value of a tensor argument, if any (an earlier op failed)."""
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            lost = _lost_argument(a, {})
+            if lost is not None:
+                return lost
+        elif type(a) is TpuTensor and type(a._storage.array) is Lost:
+            return a._storage.array
+    return None
+
+
+def _lost_results(func, args, kwargs, error):
+    """What a failed op returns in a backward pass: results of its shapes and
+    dtypes whose values are Lost(error), with the arguments it writes lost
+    too; None when PyTorch's meta kernel cannot give the shapes."""
+    try:
+        plan = plan_of(func)
+        meta = _run_meta(func, args, kwargs)
+    except Exception:
+        return None
+    if meta is None:
+        return None
+    if plan.written:
+        if plan.n_plain:
+            return None  # only the written arguments can stand in for results
+        for i, a in enumerate(func._schema.arguments):
+            if a.name in plan.written:
+                for t in _as_list(args[i] if i < len(args) else kwargs.get(a.name)):
+                    if type(t) is TpuTensor:
+                        old = t._storage.array
+                        t._storage.assign(Lost(error, old.shape, old.dtype))
+        return _mutation_result(plan, args, kwargs, [])
+    leaves, template = meta
+    return _unflatten(template, [
+        TpuTensor(Storage(Lost(error, tuple(m.shape), runtime.jax_dtype(m.dtype))),
+                  tuple(m.shape), m.dtype) for m in leaves])
+
+
+def _run_accepted(plan, args, kwargs):
+    """The lowering, unless it declines this call (plan.accepts)."""
+    if plan.accepts is None or plan.accepts(*args, **kwargs):
+        return _run_lowered(plan, args, kwargs)
+    return _run_other(plan, args, kwargs)
+
+
+def _run_lowered(plan, args, kwargs):
+    storages, arrays, slots = [], [], {}
+    call = None  # made for the first argument that is not a tpu tensor
+    # _spec, with its common case (a tpu tensor) inline: this loop runs for
+    # every argument of every op.
+    pos_specs = []
+    for a, f in zip(args, plan.pos_flags):
+        if type(a) is TpuTensor:
+            storage = a._storage
+            slot = slots.get(storage)
+            if slot is None:
+                slot = slots[storage] = len(storages)
+                storages.append(storage)
+                arrays.append(storage.array)
+            pos_specs.append(("t", slot) + a._key)
+        else:
+            if call is None:
+                call = _Call(storages, arrays, slots)
+            pos_specs.append(_spec(call, a, f))
+    pos_specs = tuple(pos_specs)
+    if kwargs:
+        if call is None:
+            call = _Call(storages, arrays, slots)
+        kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
+                          for k, v in kwargs.items()])
+    else:
+        kw_specs = ()
+    # The plan stands for its op in the key: it hashes by identity, in C.
+    key = (plan, pos_specs, kw_specs)
+    entry = cache.lookup(key)
+    if entry is None:
+        if plan.kind == "mutate":
+            if _check_written(plan, args, kwargs):
+                # An out= tensor was resized: its key part changed.
+                return _run_lowered(plan, args, kwargs)
+            # The functional variant's outputs decide the dtypes to cast to.
+            out_meta = _run_meta(plan.functional, *_functional_args(plan, args, kwargs))
+        else:
+            out_meta = _run_meta(plan.func, args, kwargs,
+                                 getattr(plan.lowering, "meta_contiguous", False))
+        fix = getattr(plan.lowering, "result_dtypes", None)
+        if fix is not None and out_meta is not None:
+            # Where CPU's kernel and PyTorch's meta kernel disagree on dtypes.
+            fargs, fkwargs = (_functional_args(plan, args, kwargs) if plan.kind == "mutate"
+                              else (args, kwargs))
+            dtypes = fix([m.dtype for m in out_meta[0]], *fargs, **fkwargs)
+            out_meta = ([m.to(d) for m, d in zip(out_meta[0], dtypes)], out_meta[1])
+        out_tdtypes = tuple(m.dtype for m in out_meta[0]) if out_meta is not None else None
+        orders = None
+        if out_meta is not None and getattr(plan.lowering, "keeps_strides", False):
+            orders = [_physical_order(m) for m in out_meta[0]]
+            orders = orders if any(orders) else None
+        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(storages), out_meta, orders),
+                                  out_meta, out_tdtypes, orders))
+        advisor.note_new_kernel(plan.name)
+    kernel, out_meta, out_tdtypes, orders = entry
+    metrics.M.ops_dispatched += 1
+    flat = arrays
+    ex = modes._current
+    if kernel.bound is not None:
+        flag = bounds.flag_input(ex.name == "debug")
+        storages.append(flag)
+        arrays.append(flag.array)
+    if call is not None and call.dynamic:
+        flat.extend(call.dynamic)
+    if plan.random:
+        flat.extend(rng.next_key())
+    if ex.name == "debug" or errors.CHECK_NANS:
+        # Index bounds and NaN/Inf checks (torchtpu.errors).
+        outs, new_storages = checks.checked_run(ex, plan, kernel, flat, storages, args, kwargs,
+                                                host_values)
+    else:
+        outs, new_storages = ex.run(kernel, flat, storages)
+    if kernel.bound is not None or bounds.tainted:
+        return _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs)
+    if plan.kind != "mutate" and kernel.out_tree is ... and orders is None and out_tdtypes is not None:
+        # The common case, one plain result, without the general wrapping.
+        o = outs[0]
+        return whole_tensor(Storage(o), o.shape, out_tdtypes[0])
+    return _results(plan, entry, outs, new_storages, storages, args, kwargs)
+
+
+def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
+    """The rest of _run_lowered for an op with an index-bounds flag, or while
+    flags are unread (torchtpu.bounds tracks what depends on them)."""
+    kernel = entry[0]
+    flag = None
+    if kernel.bound is not None:
+        flag, outs = outs[-1], outs[:-1]
+    result = _results(plan, entry, outs, new_storages, storages, args, kwargs)
+    if type(result) is TpuTensor and not kernel.written_slots:
+        produced = (result._storage,)
+    else:
+        leaves = []
+        _flatten(result, leaves)
+        produced = [storages[slot] for slot in kernel.written_slots]
+        produced += [t._storage for t in leaves if type(t) is TpuTensor]
+    if flag is None:
+        bounds.propagate(storages, produced)
+    elif ex.name != "debug":  # debug mode checked on the host before the op ran
+        bounds.note(kernel.bound, plan.func, flag, storages, produced, sys._getframe(1))
+    return result
+
+
+def _results(plan, entry, outs, new_storages, storages, args, kwargs):
+    """An op's results as tensors, its written arguments updated."""
+    kernel, out_meta, out_tdtypes, orders = entry
+    if plan.kind == "mutate":
+        for slot, arr in zip(kernel.written_slots, new_storages):
+            storages[slot].assign(arr)
+    elif kernel.out_tree is ... and orders is None and out_tdtypes is not None:
+        o = outs[0]
+        return whole_tensor(Storage(o), o.shape, out_tdtypes[0])
+    if orders is not None:
+        wrapped = [TpuTensor(Storage(o), m.shape, d, None if p is None else m.stride())
+                   for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]
+    elif out_tdtypes is not None:
+        wrapped = [TpuTensor(Storage(o), o.shape, d) for o, d in zip(outs, out_tdtypes)]
+    else:
+        wrapped = [TpuTensor(Storage(o), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
+    if plan.kind == "mutate":
+        return _mutation_result(plan, args, kwargs, wrapped)
+    return _unflatten(kernel.out_tree, wrapped)
+
+
+def _functional_args(plan, args, kwargs):
+    args = list(args)
+    kwargs = dict(kwargs)
+    _drop_out_args(plan, args, kwargs)
+    # Defaults the mutating op has and its functional variant lacks
+    # (bernoulli_.float's p=0.5; bernoulli.p requires p).
+    mine = {a.name: a for a in plan.func._schema.arguments}
+    for i, a in enumerate(plan.functional._schema.arguments):
+        if i >= len(args) and a.name not in kwargs and not a.has_default_value():
+            m = mine.get(a.name)
+            if m is not None and m.has_default_value():
+                kwargs[a.name] = m.default_value
+    return args, kwargs
+
+
+def _check_written(plan, args, kwargs):
+    """Run PyTorch's checks for the mutating op itself (in-place broadcast,
+    result casting) on meta tensors, and resize out= tensors whose shape is
+    not the result's, as CPU does (its warning for a non-empty one comes
+    from the meta kernel). Returns whether any tensor was resized."""
+    margs = [_meta(a) for a in args]
+    mkwargs = {k: _meta(v) for k, v in kwargs.items()}
+    try:
+        plan.func(*margs, **mkwargs)
+    except NotImplementedError:
+        return False
+    except RuntimeError as e:
+        if "meta" in str(e).lower() and "not implemented" in str(e).lower():
+            return False
+        raise
+    resized = False
+    schema = plan.func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.is_out:
+            before = args[i] if i < len(args) else kwargs.get(a.name)
+            after = margs[i] if i < len(margs) else mkwargs.get(a.name)
+            for b, m in zip(_as_list(before), _as_list(after)):
+                if isinstance(b, TpuTensor) and tuple(b.shape) != tuple(m.shape):
+                    resize(b, m.shape)
+                    resized = True
+    return resized
+
+
+def resize(t, shape):
+    """Resize t in place as CPU's resize_ does: contiguous strides from its
+    storage offset over the same storage (so other views still alias it)
+    when the elements fit; otherwise a grown copy of the storage, whose new
+    elements are zeros (CPU leaves them uninitialized)."""
+    shape = tuple(int(s) for s in shape)
+    if tuple(t.shape) == shape:
+        return t
+    if any(s < 0 for s in shape):
+        raise RuntimeError(f"Trying to create tensor with negative dimension {min(shape)}: {list(shape)}")
+    storage, offset = t._storage, t.storage_offset()
+    have = math.prod(storage.array.shape)
+    need = offset + math.prod(shape)
+    if need > have:
+        whole = TpuTensor(storage, storage.array.shape, t.dtype)
+        flat = dispatch(aten.reshape.default, (whole, [-1]), {})
+        grown = dispatch(aten.constant_pad_nd.default, (flat, [0, need - have]), {})
+        storage = grown._storage
+    new = TpuTensor(storage, shape, t.dtype, contiguous_strides(shape), offset)
+    torch._C.TensorBase.data.__set__(t, new)
+    t._storage, t._view, t._key = new._storage, new._view, new._key
+    return t
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _mutation_result(plan, args, kwargs, plain):
+    results = []
+    it = iter(plain)
+    for source in plan.result_sources:
+        if source is None:
+            results.append(next(it))
+        else:
+            i, name = source
+            results.append(args[i] if i < len(args) else kwargs.get(name))
+    if not results:
+        return None
+    return results[0] if len(results) == 1 else tuple(results)
+
+
+def _run_view_inplace(plan, args, kwargs):
+    """A view op applied to the tensor itself: same storage, new shape,
+    strides and offset (set on the wrapper by PyTorch's own as_strided_)."""
+    src = args[0]
+    if not isinstance(src, TpuTensor):
+        return _run_other(plan, args, kwargs)
+    view = _run_view(plan_of(plan.functional), args, kwargs)
+    with torch._C._DisableTorchDispatch():
+        aten.as_strided_.default(src, view.shape, view.stride(), view.storage_offset())
+    src._view, src._key = view._view, view._key
+    return src
+
+
+def _run_view(plan, args, kwargs):
+    src = args[0]
+    if not isinstance(src, TpuTensor):
+        return _run_other(plan, args, kwargs)
+    # src._key fixes src's shape, strides and offset (a whole-storage tensor
+    # is contiguous at offset 0).
+    key = (src._key, _hashable(args[1:]) if len(args) > 1 else (),
+           _hashable(tuple(kwargs.items())) if kwargs else ())
+    specs = plan.view_cache.get(key)
+    if specs is None:
+        numel = math.prod(src._storage.array.shape)
+        base = torch.empty(numel, dtype=src.dtype, device="meta").as_strided(
+            src.shape, src.stride(), src.storage_offset())
+        out = plan.func(base, *args[1:], **kwargs)
+        leaves = []
+        template = _flatten(out, leaves)
+        if any(m.dtype != src.dtype for m in leaves):
+            raise NotImplementedError(f"{plan.name}: dtype-changing views")
+        storage_shape = src._key[1]
+        specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset(),
+                             (src.dtype, storage_shape, make_view(storage_shape, m.shape, m.stride(),
+                                                                  m.storage_offset())))
+                            for m in leaves])
+        plan.view_cache[key] = specs
+    template, leaves = specs
+    metrics.M.ops_dispatched += 1
+    storage = src._storage
+    if template is ...:
+        return view_tensor(storage, *leaves[0])
+    return _unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])
+
+
+def _hashable(x):
+    if isinstance(x, (list, tuple)):
+        # Sizes and dims are ints: only containers and tensors need a look.
+        return tuple([_hashable(v) if isinstance(v, (list, tuple, torch.Tensor)) else v for v in x])
+    if isinstance(x, torch.Tensor):
+        raise TypeError("tensor in a view op's static arguments")
+    return x
+
+
+_warned_fallback = set()
+
+
+def _run_other(plan, args, kwargs):
+    func = plan.func
+    decomp = decomposition_table.get(func)
+    if decomp is not None:
+        metrics.M.decompositions[plan.name] += 1
+        out = decomp(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    out = func.decompose(*args, **kwargs)
+    if out is not NotImplemented:
+        metrics.M.decompositions[plan.name] += 1
+        return out
+    if plan.custom_default:
+        # A library's custom op with a device-independent (Python) kernel:
+        # run it here; its own ops come back through this dispatcher.
+        metrics.M.decompositions[plan.name] += 1
+        return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+    return cpu_fallback(plan, args, kwargs)
+
+
+def _cpu_kernels_in_full():
+    """Inside __torch_dispatch__ PyTorch excludes the Conjugate, Negative and
+    ZeroTensor keys; a CPU kernel run from here must have them back, or it
+    ignores the lazy conjugation of the views it makes itself."""
+    C = torch._C
+    lazy = (C.DispatchKeySet(C.DispatchKey.Conjugate) | C.DispatchKeySet(C.DispatchKey.Negative)
+            | C.DispatchKeySet(C.DispatchKey.ZeroTensor))
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(),
+                                    C._dispatch_tls_local_exclude_set() - lazy)
+
+
+def cpu_fallback(plan, args, kwargs):
+    """Run the op on CPU: copy in, run, copy results (and written args) back."""
+    name = plan.name
+    metrics.M.cpu_fallbacks[name] += 1
+    advisor.note_fallback(name)
+    if name not in _warned_fallback:
+        _warned_fallback.add(name)
+        warnings.warn(f"torchtpu: {name} has no tpu lowering; running it on CPU "
+                      "(counted in torchtpu.metrics cpu_fallbacks)", stacklevel=4)
+    modes.note_sync("cpu_fallback")
+    moved = {}
+
+    def to_cpu(x, cpu_ok=False):
+        if isinstance(x, TpuTensor):
+            if id(x) not in moved:
+                moved[id(x)] = (x, download(x))
+            return moved[id(x)][1]
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and not cpu_ok:
+            # The CPU op would accept it; a tpu op must not (as with CUDA).
+            raise _device_mismatch(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_cpu(v, cpu_ok) for v in x)
+        return x
+
+    tensorish = plan.tensorish
+    cargs = [to_cpu(a, tensorish.get(i) is _INDICES) for i, a in enumerate(args)]
+    ckwargs = {k: to_cpu(v, tensorish.get(k) is _INDICES) for k, v in kwargs.items()}
+    errors.check_bounds(plan.func, cargs, ckwargs, plan.functional)  # CPU's check, naming the op
+    with _cpu_kernels_in_full():
+        out = plan.func(*cargs, **ckwargs)
+    written = set(plan.written)
+    schema = plan.func._schema
+    for i, a in enumerate(schema.arguments):
+        if a.name in written:
+            orig = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in _as_list(orig):
+                if isinstance(t, TpuTensor):
+                    copy_into(t, moved[id(t)][1])
+
+    def back(x):
+        if isinstance(x, torch.Tensor):
+            for orig, cpu in moved.values():
+                if x is cpu:
+                    return orig
+            return to_tpu(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(back(v) for v in x)
+        return x
+    return back(out)
+
+
+def copy_into(dst, src_cpu):
+    """Write a CPU tensor's values into a TpuTensor (through its view)."""
+    src_cpu = src_cpu.to(dst.dtype).expand(dst.shape).contiguous()
+    src = to_tpu(src_cpu)
+    return dispatch(aten.copy_.default, (dst, src), {})
+

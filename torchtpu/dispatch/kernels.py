@@ -1,0 +1,283 @@
+"""Kernel keys and kernels: each argument's static spec (its storage slot
+and view, or a static value; dynamic scalars are fed, not keyed), the
+traceable function that materializes the views, runs the lowering, casts to
+the meta kernel's dtypes and writes written arguments back, and PyTorch's
+meta kernels run for shapes and dtypes."""
+import jax.numpy as jnp
+import torch
+
+from .. import bounds, cache, runtime
+from ..ops import ctx
+from ..ops import random as rng
+from ..tensor import TpuTensor, _is_contiguous, contiguous_strides, read_view, write_view
+from .host import to_tpu
+from .plans import _DYNAMIC_SCALAR_TYPES, _INDICES, _SCALARS
+
+
+class Kernel:
+    """One compiled op: fn (traceable, reused by fused mode), jitted, and how
+    to rebuild its outputs."""
+    __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
+                 "stable_key", "bound")
+
+    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None):
+        self.name = name
+        # The errors.Bound whose flag fn returns as its last output (torchtpu.bounds).
+        self.bound = bound
+        # The kernel described the same way in every process (fused mode's
+        # stored programs), or None.
+        self.stable_key = stable_key
+        self.fn = fn
+        self.out_dtypes = out_dtypes
+        self.out_tree = None
+        # The storages an in-place op writes, in the order fn returns them.
+        self.written_slots = written_slots
+        self.avals = None  # output avals, filled by fused mode on first use
+        self.jitted = cache.jit(fn, name=_kernel_name(name))
+
+
+def _kernel_name(name):
+    return "tpu_" + "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _flatten(tree, leaves):
+    """Leaves (arrays/tensors) in order; returns a template to rebuild."""
+    if isinstance(tree, (tuple, list)):
+        return (type(tree), [_flatten(t, leaves) for t in tree])
+    if tree is None:
+        return None
+    leaves.append(tree)
+    return ...
+
+
+def _unflatten(template, leaves):
+    if template is ...:
+        return leaves[0]
+    return _build(template, iter(leaves))
+
+
+def _build(template, it):
+    # Not a closure: a self-referencing closure would keep the results alive
+    # in a reference cycle until the next garbage collection.
+    if template is ...:
+        return next(it)
+    if template is None:
+        return None
+    kind, items = template
+    return kind(_build(x, it) for x in items)
+
+
+class _Call:
+    """One op call split into what keys its kernel and what feeds it: the
+    storages (and their arrays, in slot order) and the dynamic scalars."""
+    __slots__ = ("storages", "arrays", "slots", "dynamic")
+
+    def __init__(self, storages, arrays, slots):
+        self.storages = storages
+        self.arrays = arrays
+        self.slots = slots  # storage -> slot (Storage hashes by identity)
+        self.dynamic = []
+
+
+def _tensor_spec(call, t):
+    """A tpu tensor's spec: its storage's slot in this call, then its key."""
+    storage = t._storage
+    slot = call.slots.get(storage)
+    if slot is None:
+        slot = call.slots[storage] = len(call.storages)
+        call.storages.append(storage)
+        call.arrays.append(storage.array)
+    return ("t", slot) + t._key
+
+
+def _spec(call, value, tensorish):
+    """The static description of one argument (part of the kernel key)."""
+    if isinstance(value, TpuTensor):
+        return _tensor_spec(call, value)
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and (value.dim() == 0 or tensorish is _INDICES):
+            return _spec(call, to_tpu(value), tensorish)
+        raise _device_mismatch(value)
+    if isinstance(value, (list, tuple)):
+        if value and type(value[0]) is TpuTensor and all(type(v) is TpuTensor for v in value):
+            # A foreach op's tensor lists.
+            return ("l", tuple([_tensor_spec(call, v) for v in value]))
+        if value and any(isinstance(v, torch.Tensor) for v in value):
+            inner = _INDICES if tensorish is _INDICES else True
+            return ("l", tuple(_spec(call, v, inner) for v in value))
+        if tensorish is _SCALARS:
+            return ("l", tuple(_spec(call, v, True) for v in value))
+        return ("c", tuple(value))
+    if tensorish and type(value) in _DYNAMIC_SCALAR_TYPES:
+        call.dynamic.append(value)
+        return ("s", type(value))
+    if type(value) in _DYNAMIC_SCALAR_TYPES or type(value) is bool:
+        # 4, 4.0 and True are equal keys; a static scalar's type matters
+        # (arange(4) is int64, arange(4.0) float32).
+        return ("c", value, type(value))
+    return ("c", value)
+
+
+def _device_mismatch(value):
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two "
+        f"devices, tpu:0 and {value.device}!")
+
+
+def _materialize(spec, arrays, scalars):
+    kind = spec[0]
+    if kind == "t":
+        return read_view(arrays[spec[1]], spec[4])
+    if kind == "s":
+        return next(scalars)
+    if kind == "l":
+        return [_materialize(s, arrays, scalars) for s in spec[1]]
+    value = spec[1]
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _spec_contiguous(spec):
+    """Whether a positional tensor argument is contiguous in PyTorch's sense
+    (part of the kernel key, so a lowering may depend on it)."""
+    if spec[0] != "t":
+        return None
+    view = spec[4]
+    return view is None or _is_contiguous(view[0], view[1])
+
+
+def _physical_order(meta):
+    """The dim order in which a dense, non-overlapping but permuted result
+    (a clone of a transposed tensor) lies in memory; None when contiguous."""
+    shape, stride = tuple(meta.shape), meta.stride()
+    if _is_contiguous(shape, stride):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    compact = contiguous_strides([shape[d] for d in order])
+    if any(shape[d] > 1 and stride[d] != c for d, c in zip(order, compact)):
+        return None
+    return tuple(order)
+
+
+def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
+    lowering = plan.lowering
+    out_dtypes = out_tdtypes = None
+    if out_meta is not None:
+        out_tdtypes = [m.dtype for m in out_meta[0]]
+        out_dtypes = [runtime.jax_dtype(d) for d in out_tdtypes]
+    # Written arguments: (slot, view) of each, in schema order.
+    written = []
+    if plan.kind == "mutate":
+        by_name = dict(kw_specs)
+        for i, a in enumerate(plan.func._schema.arguments):
+            if a.name in plan.written:
+                spec = pos_specs[i] if i < len(pos_specs) else by_name[a.name]
+                written.append(spec)
+    written_slots = sorted({s[1] for s in _flat_written(written)})
+
+    kernel = None
+    bound = bounds.kernel_bound(plan)
+
+    def fn(*flat):
+        arrays = list(flat[:n_storages])
+        # A checked kernel takes the index-bounds flag so far after the storages.
+        scalars = iter(flat[n_storages + (bound is not None):])
+        args = [_materialize(s, arrays, scalars) for s in pos_specs]
+        kwargs = {k: _materialize(s, arrays, scalars) for k, s in kw_specs}
+        if plan.kind == "mutate":
+            _drop_out_args(plan, args, kwargs)
+        if plan.random:
+            kwargs["key"] = rng.key_from(next(scalars), next(scalars))
+        ctx.out = out_meta[0] if out_meta is not None else None
+        ctx.contiguous = [_spec_contiguous(s) for s in pos_specs]
+        flag = bounds.device_flag(bound, args, kwargs, flat[n_storages]) if bound is not None else None
+        result = lowering(*args, **kwargs)
+        leaves = []
+        template = _flatten(result, leaves)
+        if out_dtypes is not None and len(out_dtypes) == len(leaves):
+            leaves = [x.astype(d) if x.dtype != d else x for x, d in zip(leaves, out_dtypes)]
+            if torch.complex32 in out_tdtypes:
+                leaves = [runtime.fit_to(x, d) for x, d in zip(leaves, out_tdtypes)]
+        if orders:
+            # Results stored in their memory order, viewed with CPU's strides.
+            leaves = [x if o is None else jnp.transpose(x, o) for x, o in zip(leaves, orders)]
+        if plan.kind == "mutate":
+            new = leaves[plan.n_plain:]
+            leaves = leaves[:plan.n_plain]
+            for spec, value in zip(_flat_written(written), new):
+                slot, dtype, view = spec[1], spec[2], spec[4]
+                if dtype == torch.complex32:
+                    value = runtime.fit_to(value.astype(arrays[slot].dtype), dtype)
+                arrays[slot] = write_view(arrays[slot], view, value)
+            kernel.out_tree = template
+            if flag is not None:
+                leaves.append(flag)
+            return tuple(leaves), tuple(arrays[s] for s in written_slots)
+        kernel.out_tree = template
+        if flag is not None:
+            leaves.append(flag)
+        return tuple(leaves), ()
+
+    stable = repr((plan.name, pos_specs, kw_specs, out_dtypes)) + (" checked" if bound else "")
+    kernel = Kernel(plan.name, fn, out_dtypes, written_slots, None if " at 0x" in stable else stable,
+                    bound)
+    return kernel
+
+
+def _flat_written(written):
+    out = []
+    for spec in written:
+        if spec[0] == "l":
+            out.extend(spec[1])
+        elif spec[0] == "t":
+            # Not an empty list (a fused Adam's max_exp_avg_sqs without amsgrad).
+            out.append(spec)
+    return out
+
+
+def _drop_out_args(plan, args, kwargs):
+    """The functional variant takes no out= arguments."""
+    for i, a in enumerate(plan.func._schema.arguments):
+        if a.is_out:
+            kwargs.pop(a.name, None)
+            if i < len(args):
+                del args[i:]
+                break
+
+
+def _meta(value, contiguous=False):
+    if isinstance(value, TpuTensor):
+        if contiguous:
+            return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0:
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v, contiguous) for v in value)
+    if isinstance(value, torch.device) and value.type == "tpu":
+        return _META
+    return value
+
+
+_META = torch.device("meta")
+
+
+def _run_meta(func, args, kwargs, contiguous=False):
+    """PyTorch's own shape/dtype inference and error checks for this call, or
+    None when the op has no meta kernel. contiguous: give it contiguous
+    inputs (view_copy's meta kernel rejects strides its CPU kernel takes)."""
+    margs = [_meta(a, contiguous) for a in args]
+    mkwargs = {k: _meta(v, contiguous) for k, v in kwargs.items()}
+    try:
+        out = func(*margs, **mkwargs)
+    except NotImplementedError:
+        return None
+    except RuntimeError as e:
+        msg = str(e)
+        if "meta" in msg.lower() and ("not implemented" in msg.lower() or "could not run" in msg.lower()):
+            return None
+        raise
+    leaves = []
+    template = _flatten(out, leaves)
+    if not all(isinstance(x, torch.Tensor) for x in leaves):
+        return None
+    return leaves, template

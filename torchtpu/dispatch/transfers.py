@@ -1,0 +1,96 @@
+"""Copies, transfers and resizes: copy_ between host and device (an upload
+into a whole storage becomes that storage's array), .to(), .item(), pinned
+memory, resize_, and the out= form of ops whose result size depends on
+values."""
+import torch
+
+from .. import modes, pinned, runtime
+from ..tensor import Lost, TpuTensor
+from .core import _run_lowered, plan_of, resize
+from .host import download, to_tpu
+from .plans import SPECIAL
+
+aten = torch.ops.aten
+
+
+def _copy_(dst, src, non_blocking=False):
+    if isinstance(dst, TpuTensor) and not isinstance(src, TpuTensor):
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"copy_(): argument 'src' must be Tensor, not {type(src).__name__}")
+        torch.empty(dst.shape, dtype=dst.dtype, device="meta").copy_(src.to("meta"))
+        # From pinned memory, non_blocking starts the transfer and returns.
+        non_blocking = non_blocking and pinned.is_pinned(src)
+        src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous(), non_blocking)
+        if dst._view is None and type(dst._storage.array) is not Lost:
+            # dst is its whole storage (as .to("tpu") makes it): the upload
+            # becomes the storage's array, with no copy kernel.
+            dst._storage.assign(src._storage.array)
+            if modes.current().name == "debug":
+                runtime.wait_transfers()  # debug mode waits for each op
+            return dst
+    elif not isinstance(dst, TpuTensor):
+        # dst on CPU, src on tpu
+        dst.copy_(download(src))
+        return dst
+    return _run_lowered(plan_of(aten.copy_.default), (dst, src), {})
+
+
+def _local_scalar_dense(x):
+    modes.note_sync("item")
+    return download(x).item()
+
+
+def _copy_from(src, dst, non_blocking=False):
+    return _copy_(dst, src, non_blocking)
+
+
+def _pin_memory(x, device=None):
+    raise RuntimeError(f"cannot pin '{x.type()}' only dense CPU tensors can be pinned")
+
+
+def _resize_(t, size, memory_format=None):
+    if memory_format not in (None, torch.contiguous_format):
+        raise RuntimeError(f"resize_: memory format {memory_format} is not supported on tpu")
+    return resize(t, size)
+
+
+def _resize_as_(t, template, memory_format=None):
+    return _resize_(t, template.shape, memory_format)
+
+
+SPECIAL.update({
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.copy_.default: _copy_,
+    aten._copy_from.default: _copy_from,
+    aten.resize_.default: _resize_,
+    aten.resize_as_.default: _resize_as_,
+})
+
+
+def _to_copy_handler(x, **kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        modes.note_sync("cpu")
+        out = download(x)
+        dtype = kwargs.get("dtype")
+        return out.to(dtype) if dtype is not None else out
+    kwargs.pop("device", None)
+    kwargs.pop("layout", None)
+    kwargs.pop("pin_memory", None)
+    kwargs.pop("non_blocking", None)
+    return _run_lowered(plan_of(aten._to_copy.default), (x,), kwargs)
+
+
+SPECIAL[aten._to_copy.default] = _to_copy_handler
+# Device memory is never pinned host memory.
+SPECIAL[aten.is_pinned.default] = lambda x, device=None: False
+SPECIAL[aten._pin_memory.default] = _pin_memory
+
+
+def _into(fn):
+    """The out= form of fn: out is resized to the result and written."""
+    def out_variant(*args, out, **kwargs):
+        result = fn(*args, **kwargs)
+        resize(out, result.shape)
+        return _copy_(out, result)
+    return out_variant

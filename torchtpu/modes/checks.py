@@ -1,0 +1,86 @@
+"""Checks run around an executor's run: debug mode's index bounds before each
+indexing op, and with NaN/Inf checks on (TORCHTPU_CHECK_NANS=1 or
+errors.set_check_nans) a stop at the first op producing NaN/Inf, naming the
+op and the user's line. In fused mode an op is recorded, not run: its line
+is logged, and a flushed graph whose results hold NaN/Inf is replayed op by
+op to find it."""
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from .. import errors
+
+
+@jax.jit
+def _nonfinite(x):
+    return jnp.logical_not(jnp.all(jnp.isfinite(x)))
+
+
+def any_nonfinite(arrays):
+    """True if any floating/complex array holds NaN or Inf (waits for them)."""
+    for arr in arrays:
+        if hasattr(arr, "dtype") and jnp.issubdtype(arr.dtype, jnp.inexact) and bool(_nonfinite(arr)):
+            return True
+    return False
+
+
+def replay_for_nan(g):
+    """Run a fused graph's recorded ops one by one on its inputs; the (index,
+    op name) of the first op whose outputs hold NaN/Inf, or None."""
+    values = {}
+    for ni, (kernel, refs) in enumerate(g.nodes):
+        args = []
+        for r in refs:
+            if r[0] == "p":
+                args.append(values[(r[1], r[2])])
+            elif r[0] == "a":
+                args.append(g.inputs[r[1]])
+            else:
+                args.append(g.scalars[r[1]])
+        outs, written = kernel.jitted(*args)
+        produced = tuple(outs) + tuple(written)
+        if any_nonfinite(produced):
+            return ni, kernel.name
+        for j, v in enumerate(produced):
+            values[(ni, j)] = v
+    return None
+
+
+def checked_run(ex, plan, kernel, flat, storages, args, kwargs, to_host):
+    """ex.run with debug mode's checks: index bounds before, NaN/Inf after.
+    to_host(t): a tpu tensor's values on the CPU (the dispatcher's)."""
+    if ex.name == "debug":
+        errors.check_bounds(plan.func, args, kwargs, plan.functional,
+                            errors.user_line(sys._getframe(1)), to_host)
+    outs, written = ex.run(kernel, flat, storages)
+    if not errors.nan_checks_on():
+        return outs, written
+    arrays = tuple(outs) + tuple(written)
+    if any(not hasattr(a, "block_until_ready") for a in arrays):
+        # Recorded, not run (fused): remember where, check at the flush.
+        errors.FUSED_LINES.append((kernel, errors.user_line(sys._getframe(1))))
+        return outs, written
+    if any_nonfinite(arrays):
+        raise RuntimeError(errors.nan_message(kernel.name, errors.user_line(sys._getframe(1))))
+    return outs, written
+
+
+def after_flush(g, results):
+    """Fused mode: with NaN checks on, a flushed graph whose results hold
+    NaN/Inf is replayed op by op to name the first op that produced one."""
+    if not errors.FUSED_LINES and not errors.nan_checks_on():
+        return
+    lines = errors.graph_lines(g)
+    del errors.FUSED_LINES[:len(g.nodes)]
+    if not errors.nan_checks_on():
+        return
+    if not any_nonfinite(results):
+        return
+    found = replay_for_nan(g)
+    if found is None:
+        raise RuntimeError("torchtpu: a fused graph produced NaN or Inf "
+                           "(TORCHTPU_CHECK_NANS=1)")
+    i, name = found
+    line = lines[i] if lines else "<line not recorded: set TORCHTPU_CHECK_NANS=1 before the op>"
+    raise RuntimeError(errors.nan_message(name, line))
