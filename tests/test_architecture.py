@@ -1,0 +1,96 @@
+"""The package's shape (docs/architecture.md): no import cycles in torchtpu/,
+deferred imports included, and no file a reader cannot hold."""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "torchtpu"
+MAX_LINES = 800
+MAX_DISPATCH_CORE_LINES = 600
+
+
+def _modules():
+    """Dotted module name -> path, for every .py file under torchtpu/."""
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def import_graph():
+    """Module -> the torchtpu modules it imports anywhere in its text.
+    `from pkg import name` depends on pkg.name where that is a module, else on
+    pkg itself; a package's own __init__ run first by Python is not counted."""
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                deps.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                            for a in node.names)
+        graph[name] = sorted(d for d in deps if d in mods and d != name)
+    return graph
+
+
+def find_cycle(graph):
+    """One import cycle as a list of modules (first == last), or None."""
+    state = {}  # module -> "open" while on the path, "done" after
+
+    def visit(module, path):
+        state[module] = "open"
+        path.append(module)
+        for dep in graph[module]:
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep, path)
+                if found:
+                    return found
+        path.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module, [])
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
+
+
+def test_the_import_graph_reads_relative_imports():
+    graph = import_graph()
+    assert "torchtpu.ops.registry" in graph["torchtpu.ops"]
+    assert "torchtpu.tensor" in graph["torchtpu.dispatch.core"]
+    assert "torchtpu.modes.checks" in graph["torchtpu.modes.fused"]  # `from . import checks`
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_file_over_800_lines():
+    long = {str(p.relative_to(ROOT.parent)): n for p in _modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_dispatch_core_is_small():
+    core = ROOT / "dispatch" / "core.py"
+    assert len(core.read_text().splitlines()) <= MAX_DISPATCH_CORE_LINES
