@@ -519,7 +519,7 @@ def test_embedding_bag(mode, kw):
             atol=1e-5, rtol=1e-4)
 
 
-# The backward runs on CPU from the tpu forward's nll and log_alpha (ops/nn.py says why).
+# The backward runs on CPU from the tpu forward's nll and log_alpha (ops/nn/loss.py says why).
 CTC_BACKWARD = ("aten._ctc_loss_backward.default", "aten._ctc_loss_backward.Tensor")
 
 

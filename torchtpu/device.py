@@ -197,7 +197,7 @@ def register_kernels():
     for name, normalize in _FACTORIES.items():
         _lib.impl(name.replace(".default", ""), _lowered_factory(normalize), "PrivateUse1")
     from .ops.nn import scaled_dot_product_attention
-    # At the autograd key, ahead of PyTorch's composite (torchtpu.ops.nn).
+    # At the autograd key, ahead of PyTorch's composite (torchtpu.ops.nn.attention).
     _lib.impl("scaled_dot_product_attention", scaled_dot_product_attention, "AutogradPrivateUse1")
     from . import pinned
     pinned.register(_lib)
