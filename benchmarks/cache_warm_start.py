@@ -159,7 +159,8 @@ ACTIVITIES = [
      "<frozen importlib._bootstrap>", "_find_and_load"),
     ("dispatching ops (torchtpu, from __torch_dispatch__ on)", "torchtpu/tensor.py",
      "__torch_dispatch__"),
-    ("  of it: meta kernels for output shapes (dispatch)", "torchtpu/dispatch.py", "_run_meta"),
+    ("  of it: meta kernels for output shapes (dispatch)", "torchtpu/dispatch/kernels.py",
+     "_run_meta"),
     ("  of it: abstract traces of per-op kernels (fused, jax.eval_shape)",
      "torchtpu/modes/fused.py", "_abstract"),
     ("tracing kernels to jaxprs (JAX; strict: each per-op kernel)", "jax/_src/pjit.py",
@@ -169,7 +170,7 @@ ACTIVITIES = [
     ("compiling or loading executables through JAX's cache", "jax/_src/compiler.py",
      "compile_or_get_cached"),
     ("  of it: reading entries (torchtpu's disk cache)", "torchtpu/cache.py", "get"),
-    ("loading stored fused-graph executables (torchtpu)", "torchtpu/cache.py", "_load_program"),
+    ("reading stored fused-graph programs (torchtpu)", "torchtpu/cache.py", "jit_stored"),
     ("waiting for the device's results", "jax/_src/array.py", "_value"),
 ]
 
