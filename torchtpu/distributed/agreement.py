@@ -1,0 +1,64 @@
+"""What the ranks tell each other before an XLA collective: its description
+(kind, reduction, root, shapes and dtypes), which must agree, and each
+rank's device, which places it in the group's mesh.
+
+XLA's collectives trust every process to run the same program: over
+tensors of different shapes they return wrong values or hang. So the ranks
+first swap a small fixed-size message on the host through gloo (the group's
+timeout applies) and raise on every rank when the descriptions differ.
+"""
+import hashlib
+
+import torch
+
+_BYTES = 512  # one message: "device id;extra;description", padded
+
+
+def _encode(device_id, extra, description):
+    text = f"{device_id};{extra};{description}".encode()
+    if len(text) > _BYTES:
+        digest = hashlib.blake2b(text, digest_size=16).hexdigest().encode()
+        text = text[:_BYTES - len(digest) - 1] + b"#" + digest
+    buf = torch.zeros(_BYTES, dtype=torch.uint8)
+    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return buf
+
+
+def _decode(buf):
+    raw = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+    device_id, extra, description = raw.split(";", 2)
+    return int(device_id), extra, description
+
+
+def _check(name, descriptions, ranks):
+    if len(set(descriptions)) > 1:
+        said = "; ".join(f"rank {r}: {d}" for r, d in zip(ranks, descriptions))
+        raise RuntimeError(f"{name}: the ranks called it with different arguments ({said})")
+
+
+def exchange(gloo, name, device_id, description, extra=""):
+    """Every rank's (device id, extra) in group-rank order, after checking
+    that every rank gave the same description (RuntimeError on all if not)."""
+    mine = _encode(device_id, extra, description)
+    everyone = [torch.empty_like(mine) for _ in range(gloo.size())]
+    gloo.allgather([everyone], [mine]).wait()
+    decoded = [_decode(b) for b in everyone]
+    _check(name, [d for _, _, d in decoded], range(len(decoded)))
+    return [(dev, ext) for dev, ext, _ in decoded]
+
+
+def exchange_pair(gloo, name, device_id, description, peer, sending, tag):
+    """send/recv: the peer's device id, after checking that its description
+    matches (the sender speaks first)."""
+    mine = _encode(device_id, "", description)
+    theirs = torch.empty_like(mine)
+    if sending:
+        gloo.send([mine], peer, tag).wait()
+        gloo.recv([theirs], peer, tag).wait()
+    else:
+        gloo.recv([theirs], peer, tag).wait()
+        gloo.send([mine], peer, tag).wait()
+    their_device, _, their_description = _decode(theirs)
+    me = gloo.rank()
+    _check(name, [description, their_description], [me, peer])
+    return their_device
