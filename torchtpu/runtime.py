@@ -5,6 +5,8 @@ import jax
 
 # int64 and float64 must stay what they are.
 jax.config.update("jax_enable_x64", True)
+from .distributed import bootstrap  # noqa: E402
+bootstrap.initialize_from_env()  # jax.distributed before JAX creates its backend
 
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
