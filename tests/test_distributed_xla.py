@@ -184,6 +184,14 @@ WORKER = textwrap.dedent("""\
         return [t]
     same("all_to_all_single uneven splits", a2a_uneven)
 
+    def a2a_lists(dev, group):
+        outs = [torch.empty(2, 3, dtype=torch.int32, device=dev) for _ in range(world)]
+        ins = [torch.full((2, 3), 10 * rank + i, dtype=torch.int32, device=dev)
+               for i in range(world)]
+        dist.all_to_all(outs, ins, group=group)
+        return outs
+    same("all_to_all", a2a_lists)
+
     def reduce(dev, group):
         t = data(torch.float32, dev)
         dist.reduce(t, dst=0, op=R.MAX, group=group)
@@ -318,7 +326,7 @@ def test_collectives_on_xla_match_gloo_across_two_processes(results):
         assert "tpu:tpu" in r["backend"], r["backend"]
         assert r["tpu_backend"] == "ProcessGroupGloo"  # pg._get_backend(tpu) answers
         assert r["failures"] == [], "\n".join(r["failures"])
-        assert r["checked"] == 124, r["checked"]
+        assert r["checked"] == 125, r["checked"]
 
 
 @pytest.mark.xfail(strict=True, reason="a write into view_as_real(t) of a tpu tensor t does "

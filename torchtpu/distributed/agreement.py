@@ -19,13 +19,11 @@ def _encode(device_id, extra, description):
     if len(text) > _BYTES:
         digest = hashlib.blake2b(text, digest_size=16).hexdigest().encode()
         text = text[:_BYTES - len(digest) - 1] + b"#" + digest
-    buf = torch.zeros(_BYTES, dtype=torch.uint8)
-    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    return buf
+    return torch.frombuffer(bytearray(text.ljust(_BYTES, b"\0")), dtype=torch.uint8)
 
 
 def _decode(buf):
-    raw = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+    raw = buf.numpy().tobytes().rstrip(b"\0").decode(errors="replace")
     device_id, extra, description = raw.split(";", 2)
     return int(device_id), extra, description
 
@@ -40,9 +38,9 @@ def exchange(gloo, name, device_id, description, extra=""):
     """Every rank's (device id, extra) in group-rank order, after checking
     that every rank gave the same description (RuntimeError on all if not)."""
     mine = _encode(device_id, extra, description)
-    everyone = [torch.empty_like(mine) for _ in range(gloo.size())]
-    gloo.allgather([everyone], [mine]).wait()
-    decoded = [_decode(b) for b in everyone]
+    everyone = torch.empty(gloo.size() * _BYTES, dtype=torch.uint8)
+    gloo._allgather_base(everyone, mine).wait()
+    decoded = [_decode(b) for b in everyone.view(-1, _BYTES)]
     _check(name, [d for _, _, d in decoded], range(len(decoded)))
     return [(dev, ext) for dev, ext, _ in decoded]
 

@@ -43,6 +43,14 @@ def lists(gloo, method, output_lists, inputs, opts):
     return done(output_lists)
 
 
+def lists_to_lists(gloo, method, outputs, inputs, opts):
+    """gloo's method(host outputs, host inputs, opts): all_to_all's lists."""
+    hosts = _host(outputs)
+    getattr(gloo, method)(hosts, _host(inputs), opts).wait()
+    _write_back(outputs, hosts)
+    return done(outputs)
+
+
 def single(gloo, method, output, input, *rest):
     """gloo's method(host output, host input, *rest); output gets the result."""
     host = output.detach().cpu()

@@ -323,6 +323,28 @@ class TpuProcessGroup(dist.ProcessGroup):
             output.copy_(torch.cat([blocks[i, :outs[i]] for i in range(n)]))
         return host.done(output)
 
+    def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
+        if not self._on_xla(outputs, inputs):
+            self._agree_host("all_to_all", outputs, inputs)
+            return host.lists_to_lists(self._gloo, "alltoall", outputs, inputs, opts)
+
+        def check():  # tensors of one shape: rows of one all_to_all
+            if inputs:
+                self._check_list("all_to_all", inputs, inputs[0])
+                self._check_list("all_to_all", outputs, inputs[0])
+            else:
+                raise ValueError("all_to_all: no tensors")
+
+        devices, _, _ = self._agree("all_to_all", [device_array(t) for t in inputs[:1]],
+                                    _describe(inputs, outputs), check=check)
+        got = xla.run("all_to_all", devices, device_array(torch.stack(inputs)))
+        rows = wrap(got, inputs[0].dtype, device=_index(got)).reshape(
+            (len(outputs),) + tuple(inputs[0].shape))
+        with torch.no_grad():
+            for i, out in enumerate(outputs):
+                out.copy_(rows[i])
+        return host.done(outputs)
+
     def send(self, tensors, dst, tag=0):
         if not self._on_xla(tensors):
             return host.send(self._gloo, tensors, dst, tag)
