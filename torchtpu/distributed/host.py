@@ -16,10 +16,24 @@ def _host(tensors):
     return [t.detach().cpu() for t in tensors]
 
 
-def _write_back(tensors, hosts):
+def assign(t, values):
+    """t.copy_(values) outside autograd. torch.distributed hands a complex
+    tensor to the group as view_as_real(c); a write into such a dtype view of
+    a tpu tensor does not reach c yet, so c gets the values too."""
     with torch.no_grad():
-        for t, h in zip(tensors, hosts):
-            t.copy_(h)
+        base = t._base
+        if t.device.type == "tpu" and base is not None and base.is_complex() \
+                and not t.is_complex():
+            if tuple(base.shape) + (2,) != tuple(t.shape):
+                raise NotImplementedError("collectives on a view_as_real view of part of a "
+                                          "complex tpu tensor")
+            base.copy_(torch.view_as_complex(values.reshape(t.shape).contiguous()))
+        t.copy_(values)
+
+
+def _write_back(tensors, hosts):
+    for t, h in zip(tensors, hosts):
+        assign(t, h)
 
 
 def in_place(gloo, method, tensors, *rest):

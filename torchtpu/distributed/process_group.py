@@ -46,8 +46,7 @@ def _index(array):
 def _write(t, result):
     """t (a tpu tensor) gets result's values (a JAX array of t's numel on
     t's device), through the dispatcher's copy."""
-    with torch.no_grad():
-        t.copy_(wrap(result, t.dtype, device=_index(result)).reshape(t.shape))
+    host.assign(t, wrap(result, t.dtype, device=_index(result)).reshape(t.shape))
 
 
 def _reduction(opts, tensors):
@@ -205,9 +204,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             if writes:
                 rows = wrap(result, x.dtype, device=_index(result)).reshape(
                     (self.size(),) + tuple(x.shape))
-                with torch.no_grad():
-                    for j, out in enumerate(output_lists[i]):
-                        out.copy_(rows[j])
+                for j, out in enumerate(output_lists[i]):
+                    host.assign(out, rows[j])
         return host.done(output_lists)
 
     def allgather(self, output_lists, inputs, opts=AllgatherOptions()):
@@ -320,7 +318,7 @@ class TpuProcessGroup(dist.ProcessGroup):
                 padded[i, :ins[i]] = block
             got = xla.run("all_to_all", devices, device_array(padded))
             blocks = wrap(got, input.dtype, device=_index(got)).reshape(padded.shape)
-            output.copy_(torch.cat([blocks[i, :outs[i]] for i in range(n)]))
+        host.assign(output, torch.cat([blocks[i, :outs[i]] for i in range(n)]))
         return host.done(output)
 
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
@@ -340,9 +338,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         got = xla.run("all_to_all", devices, device_array(torch.stack(inputs)))
         rows = wrap(got, inputs[0].dtype, device=_index(got)).reshape(
             (len(outputs),) + tuple(inputs[0].shape))
-        with torch.no_grad():
-            for i, out in enumerate(outputs):
-                out.copy_(rows[i])
+        for i, out in enumerate(outputs):
+            host.assign(out, rows[i])
         return host.done(outputs)
 
     def send(self, tensors, dst, tag=0):
