@@ -165,6 +165,15 @@ WORKER = textwrap.dedent("""\
             return [t]
         same(f"reduce_scatter {dtype} {op}", rs_list)
 
+    def coalesced_tensors(dev, group):  # as FSDP2's collectives call them
+        pg = group or dist.group.WORLD
+        gathered, scattered = [torch.empty(8, device=dev)], [torch.empty(2, device=dev)]
+        pg.allgather_into_tensor_coalesced(gathered, [data(torch.float32, dev)]).wait()
+        pg.reduce_scatter_tensor_coalesced(scattered, [data(torch.float32, dev)],
+                                           dist.ReduceScatterOptions()).wait()
+        return gathered + scattered
+    same("all_gather_into_tensor and reduce_scatter_tensor coalesced", coalesced_tensors)
+
     def a2a_even(dev, group):
         t = torch.empty(4, 2, device=dev)
         dist.all_to_all_single(t, torch.arange(8.0, device=dev).reshape(4, 2) + 10 * rank,
@@ -323,5 +332,5 @@ def test_collectives_on_xla_match_gloo_across_two_processes(results):
         assert "tpu:tpu" in r["backend"], r["backend"]
         assert r["tpu_backend"] == "ProcessGroupGloo"  # pg._get_backend(tpu) answers
         assert r["failures"] == [], "\n".join(r["failures"])
-        assert r["checked"] == 125, r["checked"]
+        assert r["checked"] == 126, r["checked"]
 

@@ -352,6 +352,22 @@ class TpuProcessGroup(dist.ProcessGroup):
             return host.in_place(self._gloo, "recv", tensors, src, tag)
         return self._point_to_point(tensors, src, tag, sending=False)
 
+    def recv_anysource(self, tensors, tag=0):
+        if not self._on_xla(tensors):
+            return host.in_place(self._gloo, "recv_anysource", tensors, tag)
+        raise RuntimeError(f"recv without src is not supported by the {NAME} backend on "
+                           "XLA: name the sending rank")
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
+        for output, input in zip(outputs, inputs):
+            self.all_gather_single(output, input, opts)
+        return host.done(outputs)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
+        for output, input in zip(outputs, inputs):
+            self.reduce_scatter_single(output, input, opts)
+        return host.done(outputs)
+
     def _point_to_point(self, tensors, peer, tag, sending):
         arrays = [device_array(t) for t in tensors]
         mine = _device_id(arrays)
