@@ -94,8 +94,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             return False
         kinds = {t.device.type for ts in groups for t in ts}
         if len(kinds) > 1:
-            raise ValueError(f"a collective's tensors must all be on one device type, not "
-                             f"{sorted(kinds)}")
+            self._refuse("a collective", ValueError(
+                f"a collective's tensors must all be on one device type, not {sorted(kinds)}"))
         return kinds == {NAME}
 
     def _agree(self, name, arrays, description, extra="", check=None):
