@@ -334,3 +334,34 @@ def test_collectives_on_xla_match_gloo_across_two_processes(results):
         assert r["failures"] == [], "\n".join(r["failures"])
         assert r["checked"] == 126, r["checked"]
 
+
+
+def _torchrun_env(monkeypatch, **env):
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHTPU_DISTRIBUTED",
+                 "TORCHTPU_COORDINATOR_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_bootstrap_reads_torchruns_environment(monkeypatch):
+    from torchtpu.distributed import bootstrap
+    full = dict(MASTER_ADDR="10.0.0.7", MASTER_PORT="29500", RANK="1", WORLD_SIZE="2")
+    _torchrun_env(monkeypatch, **full)
+    assert bootstrap._wanted()
+    assert bootstrap.coordinator_address() == "10.0.0.7:29501"  # beside torch's store
+    monkeypatch.setenv("TORCHTPU_COORDINATOR_PORT", "4000")
+    assert bootstrap.coordinator_address() == "10.0.0.7:4000"
+    monkeypatch.setenv("TORCHTPU_DISTRIBUTED", "0")
+    assert not bootstrap._wanted()
+    _torchrun_env(monkeypatch, **dict(full, WORLD_SIZE="1"))
+    assert not bootstrap._wanted()  # one process: nothing to join
+    _torchrun_env(monkeypatch, RANK="0", WORLD_SIZE="2")
+    assert not bootstrap._wanted()
+    assert bootstrap.initialize_from_env() is False  # this process stays on its own
+    monkeypatch.setenv("TORCHTPU_DISTRIBUTED", "1")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT"):
+        bootstrap._wanted()
+    monkeypatch.setenv("TORCHTPU_DISTRIBUTED", "yes")
+    with pytest.raises(ValueError, match="not 0 or 1"):
+        bootstrap._wanted()
