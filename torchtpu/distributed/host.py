@@ -1,6 +1,8 @@
 """Collectives through the host: each tensor copied to the host, the
 collective run there by gloo, the results written back. The path for CPU
-tensors, and for tpu tensors when jax.distributed is not up."""
+tensors, and for tpu tensors when jax.distributed is not up. Also what both
+paths share: `assign`, which writes a result into a collective's tensor, and
+`done`, the finished Work a call returns."""
 import torch
 from torch.futures import Future
 
