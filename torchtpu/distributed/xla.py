@@ -103,7 +103,7 @@ def _rows(x, n):
     return x.reshape(n, -1)
 
 
-def _reduce_scatter(x, *, n, op):
+def _reduce_scatter(x, *, n, op, cpu):
     rows = _rows(x, n)
     if rows.dtype == jnp.bool_ or op not in ("sum", "avg"):
         # Row i of every rank, on rank i, combined in rank order.
@@ -111,7 +111,15 @@ def _reduce_scatter(x, *, n, op):
         if rows.dtype == jnp.bool_:
             return _bool_rows(mine, op)
         return _fold(mine, op, n)
-    out = lax.psum_scatter(rows, AXIS, scatter_dimension=0, tiled=True).reshape(-1)
+    if cpu:
+        # JAX's CPU reduce-scatter (gloo's halving-doubling) leaves later
+        # collectives between the processes tens of ms slower, and has known
+        # faults (timeouts ignored, wrong values for large chunks): sum all
+        # rows and keep this rank's, as PyTorch's gloo backend does.
+        out = lax.dynamic_index_in_dim(lax.psum(rows, AXIS), lax.axis_index(AXIS), 0,
+                                       keepdims=False)
+    else:
+        out = lax.psum_scatter(rows, AXIS, scatter_dimension=0, tiled=True).reshape(-1)
     return out / jnp.asarray(n, x.dtype) if op == "avg" else out
 
 
@@ -151,7 +159,10 @@ BODIES = {
 @functools.lru_cache(maxsize=None)
 def _program(kind, device_ids, params):
     mesh = _mesh(device_ids)
-    body = functools.partial(BODIES[kind], n=len(device_ids), **dict(params))
+    params = dict(params)
+    if kind == "reduce_scatter":
+        params["cpu"] = mesh.devices.flat[0].platform == "cpu"
+    body = functools.partial(BODIES[kind], n=len(device_ids), **params)
     jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
     return jitted, NamedSharding(mesh, P(AXIS))
 
