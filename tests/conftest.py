@@ -6,6 +6,11 @@ import torch
 
 # Tests never write the user's persistent cache unless asked to.
 os.environ.setdefault("TORCHTPU_CACHE_DIR", "off")
+# Two devices, as a TPU host has several chips (on CPU, XLA's host devices):
+# tests that name no device run on tpu:0; tests/test_devices.py uses tpu:1.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=2"]))
 
 import torchtpu  # noqa: E402
 

@@ -305,7 +305,7 @@ def test_load_onto_a_missing_device_raises():
     torch.save(torch.ones(2).to("tpu"), buffer)
     buffer.seek(0)
     with pytest.raises(RuntimeError, match="torch.tpu.device_count"):
-        torch.load(buffer, map_location="tpu:3")
+        torch.load(buffer, map_location=f"tpu:{torch.tpu.device_count()}")
 
 
 def test_untyped_storage_of_tpu_tensors():

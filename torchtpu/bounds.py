@@ -3,9 +3,9 @@ the next sync point (as CUDA's device-side assert, with a clear message).
 
 Each indexing kernel (errors.BOUNDS names the ops and their index arguments)
 checks its indices on device and merges the outcome into one small int64
-flag that every checked kernel takes and returns (`running`): how many ops
-it covers, which of them was the first out of range, that value, its
-position, the dimension and its size. The dispatcher hands the new flag here
+flag per device that every checked kernel there takes and returns
+(`running`): how many ops it covers, which of them was the first out of
+range, that value, its position, the dimension and its size. The dispatcher hands the new flag here
 (note) with the op and the user's line; nothing is read then. At each sync
 point the executors call check(): the flag is read, in one small transfer,
 and the first out-of-range index raises the exception CPU raises.
@@ -86,15 +86,36 @@ def device_flag(bound, args, kwargs, before):
 
 
 _BLANK = jnp.zeros((_FLAG_SIZE,), jnp.int64)
-# The merged flag of the checked ops issued since the last check (a Storage:
-# fused mode materializes what one holds) and the one debug mode passes (it
-# checked on the host; its flag is dropped).
-running = Storage(_BLANK)
-idle = Storage(_BLANK)
 
 
-def flag_input(debug):
-    return idle if debug else running
+class _Flags:
+    """One device's flags: the merged flag of the checked ops issued there
+    since the last check (a Storage: fused mode materializes what one
+    holds), the one debug mode passes (it checked on the host; its flag is
+    dropped), and the positions in _unread of the ops merged into it."""
+    __slots__ = ("running", "idle", "blank", "positions")
+
+    def __init__(self, index):
+        # A kernel and its inputs share a device (a flag too).
+        self.blank = _BLANK if index == 0 else jax.device_put(_BLANK, runtime.DEVICES[index])
+        self.running = Storage(self.blank, index)
+        self.idle = Storage(self.blank, index)
+        self.positions = []
+
+
+_flags = {}  # device index -> _Flags
+
+
+def _flags_of(index):
+    f = _flags.get(index)
+    if f is None:
+        f = _flags[index] = _Flags(index)
+    return f
+
+
+def flag_input(debug, device=0):
+    f = _flags_of(device)
+    return f.idle if debug else f.running
 
 
 # ---- what depends on unread checks ----------------------------------------------
@@ -128,7 +149,7 @@ def issuing_line(frame):
     return "<unknown>", 0
 
 
-_unread = []  # _Check per op merged into `running`, in issue order
+_unread = []  # _Check per op merged into a `running` flag, in issue order
 # id(storage) -> (weak reference to it, the unread checks its value depends
 # on: bit k for _unread[k]); empty whenever no flag is unread. An entry whose
 # storage died stays until then (its id may be reused: the reference tells).
@@ -157,11 +178,13 @@ def _deps(storages):
     return deps
 
 
-def note(bound, func, flag, inputs, produced, frame):
-    """A checked op ran (or was recorded), called from `frame`: `flag` merges
-    its check into the running one; what it produced depends on it and on
-    what its inputs depend on."""
-    running.assign(flag)
+def note(bound, func, flag, inputs, produced, frame, device=0):
+    """A checked op ran (or was recorded) on tpu:device, called from `frame`:
+    `flag` merges its check into that device's running one; what it produced
+    depends on it and on what its inputs depend on."""
+    f = _flags_of(device)
+    f.running.assign(flag)
+    f.positions.append(len(_unread))
     _taint(produced, _deps(inputs) | (1 << len(_unread)))
     _unread.append(_Check(bound, func, issuing_line(frame)))
     if len(_unread) >= MAX_UNREAD:
@@ -181,26 +204,38 @@ def propagate(inputs, produced):
 # ---- at sync points --------------------------------------------------------------
 
 def check():
-    """Read the running flag once the ops merged into it have run (one small
-    transfer); raise the first out-of-range index, after marking what
-    depends on a bad op Lost."""
-    if not _unread or type(running.array) is Pending:
+    """Read the running flags once the ops merged into them have run (one
+    small transfer per device that ran checked ops); raise the first
+    out-of-range index, after marking what depends on a bad op Lost."""
+    if not _unread:
         return
-    flag = jax.device_get(running.array)
+    used = [f for f in _flags.values() if f.positions]
+    if any(type(f.running.array) is Pending for f in used):
+        return
+    flags = [(f, jax.device_get(f.running.array)) for f in used]
     checks = _unread[:]
     del _unread[:]
-    running.assign(_BLANK)
-    if not flag[1]:
+    failed, first = 0, None
+    for f, flag in flags:
+        positions, f.positions = f.positions, []
+        f.running.assign(f.blank)
+        if not flag[1]:
+            continue
+        k = int(flag[1]) - 1
+        # Only the first bad value is known: with more than one bad op, the
+        # values of every op checked after it are lost too.
+        failed |= sum(1 << p for p in (positions[k:k + 1] if flag[2] == 1 else positions[k:]))
+        if first is None or positions[k] < first[0]:
+            first = (positions[k], flag)
+    if first is None:
         tainted.clear()
         return
-    k = int(flag[1]) - 1
-    first = checks[k]
-    line = "%s:%d" % first.where
-    err = errors.out_of_range(first.bound, first.func, line, int(flag[3]), int(flag[5]),
+    position, flag = first
+    bad = checks[position]
+    line = "%s:%d" % bad.where
+    err = errors.out_of_range(bad.bound, bad.func, line, int(flag[3]), int(flag[5]),
                               int(flag[6]), int(flag[4]))
-    # Only the first bad value is known: with more than one bad op, the
-    # values of every op checked after it are lost too.
-    _mark_lost(1 << k if flag[2] == 1 else -1 << k, err)
+    _mark_lost(failed, err)
     tainted.clear()
     raise err
 

@@ -575,12 +575,17 @@ def store(key, entry):
     return entry
 
 
-def jit(fn, name=None, donate_argnums=()):
+def jit(fn, name=None, donate_argnums=(), device=0):
     """Compile fn through JAX (lazily, at its first call); the disk tier is
     JAX's persistent cache. donate_argnums: arguments whose buffers the
-    computation may reuse for its results (the caller's are invalidated)."""
+    computation may reuse for its results (the caller's are invalidated).
+    device: the index of the device it runs on. Off device 0 its results are
+    placed there (JAX would put a factory's on its default device, device 0)."""
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
+    if device:
+        from . import runtime
+        return jax.jit(fn, donate_argnums=donate_argnums, out_shardings=runtime.SHARDINGS[device])
     return jax.jit(fn, donate_argnums=donate_argnums)
 
 
@@ -623,7 +628,7 @@ def _program_context(args):
         *(f"{name}={os.environ.get(name, '')}" for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"))])
 
 
-def jit_stored(fn, args, key_text, name=None, donate_argnums=()):
+def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0):
     """jit(fn) for these args through a stored program: key_text describes fn
     completely and the same way in every process (None: not storable).
 
@@ -634,7 +639,7 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=()):
     and one of them fails when it runs ("Function ... not found")."""
     store_ = _jax_cc._cache if DISK_DIR is not None and _jax_cc is not None else None
     if key_text is None or not isinstance(store_, DiskCache):
-        return jit(fn, name, donate_argnums)
+        return jit(fn, name, donate_argnums, device)
     key_text += f"\ndonate {tuple(donate_argnums)}\n{_program_context(args)}"
     from jax import export
     key = PROGRAM_PREFIX + _sha256((_source_digest() + "\n" + key_text).encode())
@@ -643,17 +648,17 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=()):
         try:
             program = export.deserialize(bytearray(blob))
             STATS.programs_loaded += 1
-            return jax.jit(program.call, donate_argnums=donate_argnums)
+            return jit(program.call, None, donate_argnums, device)
         except Exception as e:  # a damaged program: trace again and replace it
             store_._corrupt(key, f"{type(e).__name__}: {e}")
-    jitted = jit(fn, name, donate_argnums)
+    jitted = jit(fn, name, donate_argnums, device)
     try:
         program = export.export(jitted)(*args)
         blob = program.serialize()
     except Exception:  # not exportable (a custom call without a stable form)
         return jitted
     store_.put(key, bytes(blob))
-    return jax.jit(program.call, donate_argnums=donate_argnums)
+    return jit(program.call, None, donate_argnums, device)
 
 
 def stats():

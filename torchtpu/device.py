@@ -25,11 +25,10 @@ def _module():
     def device_count():
         return len(runtime.DEVICES)
 
-    def current_device():
-        return 0
-
     def set_device(device):
-        properties.check_index(properties.device_index(device, optional=True))
+        index = properties.device_index(device, optional=True)
+        if index >= 0:
+            properties.set_current_index(index)
 
     def get_amp_supported_dtype():
         return [torch.bfloat16, torch.float16]
@@ -38,7 +37,7 @@ def _module():
     mod.is_initialized = lambda: True
     mod._is_in_bad_fork = lambda: False
     mod.device_count = device_count
-    mod.current_device = current_device
+    mod.current_device = properties.current_index
     mod.set_device = set_device
     mod.synchronize = synchronize
     mod.get_amp_supported_dtype = get_amp_supported_dtype
@@ -108,7 +107,9 @@ def _empty(op):
         else:
             dense = kwargs.get("memory_format") in (None, torch.contiguous_format)
         if dense and kwargs.get("layout") in (None, torch.strided) and modes.current().name != "fused":
-            return TpuTensor(Storage(runtime.host_zeros(size, dtype)), size, dtype)
+            index = properties.device_index(kwargs.get("device"))
+            properties.check_index(index)
+            return TpuTensor(Storage(runtime.host_zeros(size, dtype, index), index), size, dtype)
         return default(size, *args, **kwargs)
     return kernel
 
@@ -157,9 +158,26 @@ def _lowered_factory(normalize):
 _lib = None
 
 
+def _accelerator_current_device():
+    """torch.accelerator's current device index is the C++ device guard's,
+    which for a Python backend in torch 2.13 is always 0 and cannot be set:
+    make its functions torch.tpu's."""
+    acc = torch.accelerator
+
+    def set_device_index(device, /):
+        index = properties.device_index(device, optional=True)
+        if index >= 0:
+            properties.set_current_index(index)
+
+    acc.set_device_index = acc.set_device_idx = set_device_index
+    acc.current_device_index = acc.current_device_idx = properties.current_index
+    acc.device_index = properties.device
+
+
 def register_device():
     """Name PrivateUse1 'tpu' and install torch.tpu (before any tensor exists)."""
     _setup_privateuseone_for_python_backend("tpu", _module(), _Hooks(), _Guard())
+    _accelerator_current_device()
     streams.install()
 
 

@@ -15,9 +15,23 @@ import jax
 
 from . import properties, runtime
 
-# The peak since the last reset, as this module has seen it, and the
-# platform's own peak at that reset (its peak cannot be reset).
-_peak = {"allocated": 0, "reserved": 0, "platform_peak_at_reset": None}
+# Per device index: the peak since the last reset, as this module has seen
+# it, and the platform's own peak at that reset (its peak cannot be reset).
+_peaks = {}
+
+
+def _index(device):
+    """The device index a query names (None: the current device)."""
+    index = properties.device_index(device, optional=True)
+    properties.check_index(index)
+    return properties.current_index() if index < 0 else index
+
+
+def _peak(index):
+    p = _peaks.get(index)
+    if p is None:
+        p = _peaks[index] = {"allocated": 0, "reserved": 0, "platform_peak_at_reset": None}
+    return p
 
 
 def _settle():
@@ -30,28 +44,28 @@ def _settle():
     modes.sync()
 
 
-def live_arrays():
-    """The arrays alive on the device."""
+def live_arrays(index=None):
+    """The arrays alive on tpu:index (None: on every device)."""
     arrays = jax.live_arrays(runtime.PLATFORM)
-    if len(runtime.DEVICES) == 1:
+    if index is None or len(runtime.DEVICES) == 1:
         return arrays
-    dev = runtime.device(0)
+    dev = runtime.device(index)
     return [a for a in arrays if dev in a.devices()]
 
 
 def _figures(device=None, settle=True):
     """(allocated bytes, reserved bytes, live allocations, platform peak or None)."""
-    properties.check_index(properties.device_index(device, optional=True))
+    index = _index(device)
     if settle:
         _settle()
-    stats = properties.platform_memory_stats()
+    stats = properties.platform_memory_stats(index)
     if stats and "bytes_in_use" in stats:
         allocated = int(stats["bytes_in_use"])
         reserved = int(stats.get("pool_bytes") or stats.get("bytes_reserved") or allocated)
         # (The platform's num_allocs counts every allocation ever made.)
-        count = len(live_arrays())
+        count = len(live_arrays(index))
         return allocated, max(reserved, allocated), count, stats.get("peak_bytes_in_use")
-    arrays = live_arrays()
+    arrays = live_arrays(index)
     allocated = sum(a.size * a.dtype.itemsize for a in arrays)  # (a.nbytes costs 6x more)
     return allocated, allocated, len(arrays), None
 
@@ -60,7 +74,7 @@ def sample(device=None, settle=True):
     """Take the current figures, raising the peaks to them; settle: wait for
     the issued work first (a sync point)."""
     allocated, reserved, count, platform_peak = _figures(device, settle)
-    p = _peak
+    p = _peak(_index(device))
     p["allocated"] = max(p["allocated"], allocated)
     if platform_peak is not None and (p["platform_peak_at_reset"] is None
                                       or platform_peak > p["platform_peak_at_reset"]):
@@ -76,7 +90,7 @@ def memory_allocated(device=None):
 
 def max_memory_allocated(device=None):
     sample(device)
-    return _peak["allocated"]
+    return _peak(_index(device))["allocated"]
 
 
 def memory_reserved(device=None):
@@ -85,12 +99,12 @@ def memory_reserved(device=None):
 
 def max_memory_reserved(device=None):
     sample(device)
-    return _peak["reserved"]
+    return _peak(_index(device))["reserved"]
 
 
 def reset_peak_memory_stats(device=None):
     allocated, reserved, _, platform_peak = _figures(device)
-    _peak.update(allocated=allocated, reserved=reserved,
+    _peak(_index(device)).update(allocated=allocated, reserved=reserved,
                  platform_peak_at_reset=None if platform_peak is None else int(platform_peak))
 
 
@@ -108,10 +122,11 @@ def reset_accumulated_memory_stats(device=None):
 def memory_stats(device=None):
     """The figures under torch.cuda.memory_stats' key names."""
     allocated, reserved, count = sample(device)
+    peak = _peak(_index(device))
     stats = collections.OrderedDict()
-    for name, current, peak in (("allocated_bytes", allocated, _peak["allocated"]),
-                                ("active_bytes", allocated, _peak["allocated"]),
-                                ("reserved_bytes", reserved, _peak["reserved"]),
+    for name, current, peak in (("allocated_bytes", allocated, peak["allocated"]),
+                                ("active_bytes", allocated, peak["allocated"]),
+                                ("reserved_bytes", reserved, peak["reserved"]),
                                 ("allocation", count, None)):
         stats[f"{name}.all.current"] = current
         if peak is not None:
@@ -123,13 +138,14 @@ def memory_stats(device=None):
 
 def memory_summary(device=None, abbreviated=False):
     stats = memory_stats(device)
-    source = "platform statistics" if properties.platform_memory_stats() else "live arrays"
+    index = _index(device)
+    source = "platform statistics" if properties.platform_memory_stats(index) else "live arrays"
 
     def mib(n):
         return f"{n / 2**20:12.2f} MiB"
     rows = [("Allocated memory", "allocated_bytes"), ("Active memory", "active_bytes"),
             ("Reserved memory", "reserved_bytes")]
-    lines = [f"torch.tpu memory summary, device tpu:0 ({runtime.PLATFORM}, from {source})",
+    lines = [f"torch.tpu memory summary, device tpu:{index} ({runtime.PLATFORM}, from {source})",
              f"{'':24}{'current':>16}{'peak':>16}"]
     for label, key in rows:
         lines.append(f"{label:24}{mib(stats[key + '.all.current']):>16}"
@@ -140,8 +156,7 @@ def memory_summary(device=None, abbreviated=False):
 
 def mem_get_info(device=None):
     """(free, total) bytes of the device memory."""
-    properties.check_index(properties.device_index(device, optional=True))
-    stats = properties.platform_memory_stats()
+    stats = properties.platform_memory_stats(_index(device))
     if stats and stats.get("bytes_limit"):
         total = int(stats["bytes_limit"])
         return total - int(stats.get("bytes_in_use", 0)), total

@@ -8,20 +8,84 @@ import torch
 from . import runtime
 
 
+# The current device (torch.tpu.set_device, torch.tpu.device(N)): where
+# "tpu" without an index places tensors. One per process, as torchtpu's
+# executors are.
+_current = 0
+
+
+def current_index():
+    return _current
+
+
+def set_current_index(index):
+    global _current
+    check_index(index)
+    _current = index
+    _resolve_bare_device(index != 0)
+
+
+# torchtpu's factories see "tpu" without an index and place it on the
+# current device. PyTorch's C++ code resolves it first where it converts
+# (x.to("tpu"), torch.tensor(data, device="tpu")), through the device guard
+# of a Python backend, which in torch 2.13 always answers device 0. While
+# the current device is not tpu:0 those entry points name it explicitly.
+_UNRESOLVED = {}
+
+
+def _bare(device):
+    if isinstance(device, str) and device == "tpu":
+        return torch.device("tpu", _current)
+    if isinstance(device, torch.device) and device.type == "tpu" and device.index is None:
+        return torch.device("tpu", _current)
+    return device
+
+
+def _resolving_to(to):
+    def to_current(self, *args, **kwargs):
+        if args:
+            args = (_bare(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = _bare(kwargs["device"])
+        return to(self, *args, **kwargs)
+    return to_current
+
+
+def _resolving_factory(factory):
+    def on_current(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _bare(kwargs["device"])
+        return factory(*args, **kwargs)
+    return on_current
+
+
+def _resolve_bare_device(on):
+    if on and not _UNRESOLVED:
+        _UNRESOLVED.update(to=torch.Tensor.to, tensor=torch.tensor, as_tensor=torch.as_tensor)
+        torch.Tensor.to = _resolving_to(_UNRESOLVED["to"])
+        torch.tensor = _resolving_factory(_UNRESOLVED["tensor"])
+        torch.as_tensor = _resolving_factory(_UNRESOLVED["as_tensor"])
+    elif not on and _UNRESOLVED:
+        torch.Tensor.to = _UNRESOLVED.pop("to")
+        torch.tensor = _UNRESOLVED.pop("tensor")
+        torch.as_tensor = _UNRESOLVED.pop("as_tensor")
+
+
 def device_index(device, optional=False):
     """The tpu device index that device (an int, a str, a torch.device, or
-    None when optional) names; -1 for None. A device of another type raises
-    ValueError, as torch.cuda's index helper does."""
+    None when optional) names; -1 for None; the current device for "tpu"
+    without an index. A device of another type raises ValueError, as
+    torch.cuda's index helper does."""
     if device is None:
         if optional:
             return -1
-        return 0
+        return _current
     if isinstance(device, str):
         device = torch.device(device)
     if isinstance(device, torch.device):
         if device.type != "tpu":
             raise ValueError(f"Expected a tpu device, but got: {device}")
-        return 0 if device.index is None else device.index
+        return _current if device.index is None else device.index
     if isinstance(device, int) and not isinstance(device, bool):
         return device
     raise ValueError("Expected a torch.device with a specified index or an integer, "
@@ -29,15 +93,15 @@ def device_index(device, optional=False):
 
 
 def check_index(index):
-    """Raise for a device index torchtpu cannot drive (it drives tpu:0)."""
-    if index not in (-1, 0):
-        raise RuntimeError(f"tpu:{index} is not available; torchtpu drives one device (tpu:0)")
+    """Raise for a device index this process does not have, as CUDA does."""
+    if index != -1 and not 0 <= index < len(runtime.DEVICES):
+        raise RuntimeError(f"tpu:{index} is not available: torch.tpu.device_count() is "
+                           f"{len(runtime.DEVICES)} (CUDA error: invalid device ordinal)")
 
 
 class device:
     """Context manager that selects the tpu device (as torch.cuda.device).
-    A negative index or None makes it a no-op; torchtpu drives tpu:0 only,
-    so any other index raises at entry, as set_device does."""
+    A negative index or None makes it a no-op."""
 
     def __init__(self, device):
         self.idx = device_index(device, optional=True)
@@ -45,11 +109,13 @@ class device:
 
     def __enter__(self):
         if self.idx >= 0:
-            check_index(self.idx)
-            self.prev_idx = 0
+            self.prev_idx = _current
+            set_current_index(self.idx)
         return self
 
     def __exit__(self, *exc):
+        if self.prev_idx >= 0:
+            set_current_index(self.prev_idx)
         return False
 
 
@@ -63,7 +129,7 @@ class device_of(device):
 def _jax_device(d=None):
     index = device_index(d, optional=True)
     check_index(index)
-    return runtime.device(0)
+    return runtime.device(_current if index < 0 else index)
 
 
 def platform_memory_stats(d=None):

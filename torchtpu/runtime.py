@@ -33,7 +33,12 @@ def _choose_platform():
 
 
 PLATFORM = _choose_platform()
-DEVICES = jax.devices(PLATFORM)
+# tpu:N is this process's N-th device of the platform (its local devices,
+# when jax.distributed spans several processes).
+DEVICES = jax.local_devices(backend=PLATFORM)
+# Where a kernel's results go when it runs on tpu:N, N > 0 (on tpu:0 they
+# follow the inputs, and JAX's default device takes factories).
+SHARDINGS = [jax.sharding.SingleDeviceSharding(d) for d in DEVICES]
 
 
 def device(index=0):
@@ -169,11 +174,12 @@ def _host_copy(host):
     return out
 
 
-def host_zeros(shape, dtype):
-    """The CPU platform only: a zero-filled array on the device whose memory
-    is a fresh host buffer (the OS zeroes its pages when first touched),
-    made at once, where a zeros kernel would fill it before returning."""
-    return jax.device_put(_aligned(shape, np.dtype(jax_dtype(dtype)), np.zeros), DEVICES[0])
+def host_zeros(shape, dtype, index=0):
+    """The CPU platform only: a zero-filled array on device `index` whose
+    memory is a fresh host buffer (the OS zeroes its pages when first
+    touched), made at once, where a zeros kernel would fill it before
+    returning."""
+    return jax.device_put(_aligned(shape, np.dtype(jax_dtype(dtype)), np.zeros), DEVICES[index])
 
 
 def to_host(arr, dtype=None) -> torch.Tensor:

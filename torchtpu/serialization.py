@@ -3,7 +3,7 @@
 torch.save writes a CUDA tensor as `_rebuild_tensor_v2(storage, offset, size,
 stride, requires_grad, ...)` with its storage's bytes tagged "cuda:0", and
 torch.load restores the storage on the location (after map_location) and
-views it. tpu tensors are written the same way, tagged "tpu:0": views of one
+views it. tpu tensors are written the same way, tagged "tpu:N": views of one
 storage stay views of one storage, weights_only=True loads them with
 PyTorch's own allowlist, and map_location moves them as it moves CUDA ones.
 
@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch, modes, properties, runtime
-from .tensor import DEVICE, Storage, TpuTensor, contiguous_strides
+from .tensor import DEVICE, DEVICES, Storage, TpuTensor, contiguous_strides
 
 aten = torch.ops.aten
 
@@ -41,9 +41,11 @@ class _OnTpu(torch.UntypedStorage):
     """An UntypedStorage that says it lives on the tpu device; it stands for
     data held elsewhere, so its own (C++) storage is empty."""
 
+    _index = 0  # the device index of the data it stands for
+
     @property
     def device(self):
-        return DEVICE
+        return DEVICES[self._index]
 
     def _refuse(self, *args, **kwargs):
         raise RuntimeError("torchtpu: a tpu storage has no host memory; read or write "
@@ -79,6 +81,7 @@ class TpuStorage(_OnTpu):
         global _next_address
         self = cls(0)
         self._ref = weakref.ref(storage)
+        self._index = storage.device
         self._dtype = dtype
         self._nbytes = math.prod(storage.array.shape) * dtype.itemsize
         self._address = _next_address
@@ -115,7 +118,7 @@ class TpuStorage(_OnTpu):
         return self.cpu()._write_file(*args)
 
     def __repr__(self):
-        return f"torchtpu storage of {self._nbytes} bytes on {DEVICE}"
+        return f"torchtpu storage of {self._nbytes} bytes on {self.device}"
 
 
 class LoadedStorage(_OnTpu):
@@ -124,9 +127,10 @@ class LoadedStorage(_OnTpu):
     dtype's upload makes."""
 
     @classmethod
-    def of(cls, host):
+    def of(cls, host, index):
         self = cls(0)
         self._host = host
+        self._index = index
         return self
 
     def nbytes(self):
@@ -149,13 +153,14 @@ class LoadedStorage(_OnTpu):
 
     def _array(self, dtype):
         numel = self.nbytes() // dtype.itemsize
-        return runtime.to_device(torch.empty(0, dtype=dtype).set_(self._host, 0, (numel,), (1,)))
+        return runtime.to_device(torch.empty(0, dtype=dtype).set_(self._host, 0, (numel,), (1,)),
+                                 runtime.DEVICES[self._index])
 
     def upload(self, dtype):
         uploads = self.__dict__.setdefault("_uploads", {})
         storage = uploads.get(dtype)
         if storage is None:
-            storage = uploads[dtype] = Storage(self._array(dtype))
+            storage = uploads[dtype] = Storage(self._array(dtype), self._index)
         return storage
 
     def _set_from_file(self, *args):
@@ -223,7 +228,7 @@ def _set_storage(t, source, storage_offset=0, size=None, stride=None):
                                f"{source._dtype} tensors (use .view({t.dtype}) on a tensor)")
         storage = source.tpu_storage()
     else:
-        raise RuntimeError(f"Expected a storage on {DEVICE} for set_ of a tpu tensor, "
+        raise RuntimeError(f"Expected a storage on {t.device} for set_ of a tpu tensor, "
                            f"got one on {source.device}")
     numel = math.prod(storage.array.shape)
     size = (numel,) if size is None else tuple(int(s) for s in size)
@@ -242,7 +247,7 @@ def _set_storage(t, source, storage_offset=0, size=None, stride=None):
 
 def _tag(storage):
     if isinstance(storage, _OnTpu):
-        return str(DEVICE)
+        return str(storage.device)
     return None
 
 
@@ -259,7 +264,7 @@ def _restore(storage, location):
     properties.check_index(index)
     if isinstance(storage, _OnTpu):
         return storage
-    return LoadedStorage.of(storage)
+    return LoadedStorage.of(storage, index)
 
 
 def _safetensors_device(device):

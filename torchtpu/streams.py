@@ -117,7 +117,8 @@ class Stream(_TorchStream):
             return super().__new__(cls, **kwargs)
         index = properties.device_index(device, optional=True)
         properties.check_index(index)
-        return super().__new__(cls, stream_id=next(_stream_ids), device_index=0,
+        return super().__new__(cls, stream_id=next(_stream_ids),
+                               device_index=properties.current_index() if index < 0 else index,
                                device_type=_DEVICE_TYPE)
 
     def __init__(self, *args, **kwargs):
@@ -152,7 +153,7 @@ class Stream(_TorchStream):
         return False
 
     def __repr__(self):
-        return f"torch.tpu.Stream(device=tpu:0 stream_id={self.stream_id})"
+        return f"torch.tpu.Stream(device=tpu:{self.device_index} stream_id={self.stream_id})"
 
 
 _DEVICE_TYPE = int(torch._C._autograd.DeviceType.PrivateUse1)  # as Stream.device_type gives it

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import metrics
+from . import metrics, runtime
 
-DEVICE = torch.device("tpu", 0)
+# tpu:N for each device index (a tensor's device is its storage's).
+DEVICES = [torch.device("tpu", i) for i in range(len(runtime.DEVICES))]
+DEVICE = DEVICES[0]
 
 
 class Pending:
@@ -58,10 +60,13 @@ class Lost:
 
 
 class Storage:
-    __slots__ = ("array", "__weakref__")
+    """The shared data of a tensor and its views: a JAX array (a Pending or
+    Lost value) on device tpu:`device`."""
+    __slots__ = ("array", "device", "__weakref__")
 
-    def __init__(self, array):
+    def __init__(self, array, device=0):
         self.array = array
+        self.device = device
         if type(array) is Pending:
             array.owner = weakref.ref(self)
 
@@ -101,19 +106,22 @@ def whole_tensor(storage, shape, dtype, requires_grad=False, cls=None):
     """A tensor that is its whole storage array (same shape, no view); shape
     a tuple. A plain function: every op result is made here, and calling
     the class costs a quarter microsecond more."""
-    r = _make_wrapper(cls or TpuTensor, shape, dtype=dtype, device=DEVICE, requires_grad=requires_grad)
+    index = storage.device
+    r = _make_wrapper(cls or TpuTensor, shape, dtype=dtype, device=DEVICES[index],
+                      requires_grad=requires_grad)
     r._storage = storage
     r._view = None
     # What a kernel needs to know about this input (its cache key part).
-    r._key = (dtype, shape, None)
+    r._key = (dtype, shape, None, index)
     return r
 
 
 def view_tensor(storage, shape, stride, offset, key, requires_grad=False, cls=None):
     """A tensor viewing storage with these shape, strides and offset; key is
-    (dtype, storage shape, make_view(...)), which a view op caches."""
+    (dtype, storage shape, make_view(...), device index), which a view op
+    caches."""
     r = _make_wrapper(cls or TpuTensor, shape, strides=stride, storage_offset=offset, dtype=key[0],
-                      device=DEVICE, requires_grad=requires_grad)
+                      device=DEVICES[key[3]], requires_grad=requires_grad)
     r._storage = storage
     r._view = key[2]
     r._key = key
@@ -134,7 +142,7 @@ class TpuTensor(torch.Tensor):
         if stride is None:
             return whole_tensor(storage, tuple(shape), dtype, requires_grad, cls)
         storage_shape = storage.array.shape
-        key = (dtype, storage_shape, make_view(storage_shape, shape, stride, offset))
+        key = (dtype, storage_shape, make_view(storage_shape, shape, stride, offset), storage.device)
         return view_tensor(storage, shape, stride, offset, key, requires_grad, cls)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -185,7 +193,7 @@ class TpuTensor(torch.Tensor):
 
     def numpy(self, *, force=False):
         if not force:
-            raise TypeError("can't convert tpu:0 device type tensor to numpy. "
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy. "
                             "Use Tensor.cpu() to copy the tensor to host memory first.")
         return self.detach().cpu().numpy()
 
@@ -201,11 +209,10 @@ def set_dispatcher(fn):
     _dispatch = fn
 
 
-def wrap(array, dtype=None):
-    """A new tensor owning a fresh storage that holds array."""
-    from .runtime import torch_dtype
-    return TpuTensor(Storage(array), array.shape,
-                     dtype if dtype is not None else torch_dtype(array.dtype))
+def wrap(array, dtype=None, device=0):
+    """A new tensor owning a fresh storage that holds array (on tpu:device)."""
+    return TpuTensor(Storage(array, device), array.shape,
+                     dtype if dtype is not None else runtime.torch_dtype(array.dtype))
 
 
 # ---- views as JAX code (trace time) ---------------------------------------

@@ -24,7 +24,7 @@ from ..ops import random as rng
 from ..tensor import Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
 from .host import download, host_values, to_tpu
 from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
-                      _physical_order, _run_meta, _spec, _unflatten)
+                      _physical_order, _run_meta, _spec, _unflatten, first_device, kernel_device)
 from .plans import _INDICES, SPECIAL, Plan
 
 aten = torch.ops.aten
@@ -140,8 +140,9 @@ def _lost_results(func, args, kwargs, error):
                         t._storage.assign(Lost(error, old.shape, old.dtype))
         return _mutation_result(plan, args, kwargs, [])
     leaves, template = meta
+    device = first_device(args, kwargs)
     return _unflatten(template, [
-        TpuTensor(Storage(Lost(error, tuple(m.shape), runtime.jax_dtype(m.dtype))),
+        TpuTensor(Storage(Lost(error, tuple(m.shape), runtime.jax_dtype(m.dtype)), device),
                   tuple(m.shape), m.dtype) for m in leaves])
 
 
@@ -169,12 +170,12 @@ def _run_lowered(plan, args, kwargs):
             pos_specs.append(("t", slot) + a._key)
         else:
             if call is None:
-                call = _Call(storages, arrays, slots)
+                call = _Call(storages, arrays, slots, (args, kwargs))
             pos_specs.append(_spec(call, a, f))
     pos_specs = tuple(pos_specs)
     if kwargs:
         if call is None:
-            call = _Call(storages, arrays, slots)
+            call = _Call(storages, arrays, slots, (args, kwargs))
         kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
                           for k, v in kwargs.items()])
     else:
@@ -183,6 +184,7 @@ def _run_lowered(plan, args, kwargs):
     key = (plan, pos_specs, kw_specs)
     entry = cache.lookup(key)
     if entry is None:
+        device = kernel_device(pos_specs, kw_specs)  # (raises CUDA's error for two devices)
         if plan.kind == "mutate":
             if _check_written(plan, args, kwargs):
                 # An out= tensor was resized: its key part changed.
@@ -204,7 +206,8 @@ def _run_lowered(plan, args, kwargs):
         if out_meta is not None and getattr(plan.lowering, "keeps_strides", False):
             orders = [_physical_order(m) for m in out_meta[0]]
             orders = orders if any(orders) else None
-        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(storages), out_meta, orders),
+        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(storages), out_meta,
+                                                orders, device),
                                   out_meta, out_tdtypes, orders))
         advisor.note_new_kernel(plan.name)
     kernel, out_meta, out_tdtypes, orders = entry
@@ -212,7 +215,7 @@ def _run_lowered(plan, args, kwargs):
     flat = arrays
     ex = modes._current
     if kernel.bound is not None:
-        flag = bounds.flag_input(ex.name == "debug")
+        flag = bounds.flag_input(ex.name == "debug", kernel.device)
         storages.append(flag)
         arrays.append(flag.array)
     if call is not None and call.dynamic:
@@ -230,7 +233,7 @@ def _run_lowered(plan, args, kwargs):
     if plan.kind != "mutate" and kernel.out_tree is ... and orders is None and out_tdtypes is not None:
         # The common case, one plain result, without the general wrapping.
         o = outs[0]
-        return whole_tensor(Storage(o), o.shape, out_tdtypes[0])
+        return whole_tensor(Storage(o, kernel.device), o.shape, out_tdtypes[0])
     return _results(plan, entry, outs, new_storages, storages, args, kwargs)
 
 
@@ -252,7 +255,7 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
     if flag is None:
         bounds.propagate(storages, produced)
     elif ex.name != "debug":  # debug mode checked on the host before the op ran
-        bounds.note(kernel.bound, plan.func, flag, storages, produced, sys._getframe(1))
+        bounds.note(kernel.bound, plan.func, flag, storages, produced, sys._getframe(1), kernel.device)
     return result
 
 
@@ -264,14 +267,15 @@ def _results(plan, entry, outs, new_storages, storages, args, kwargs):
             storages[slot].assign(arr)
     elif kernel.out_tree is ... and orders is None and out_tdtypes is not None:
         o = outs[0]
-        return whole_tensor(Storage(o), o.shape, out_tdtypes[0])
+        return whole_tensor(Storage(o, kernel.device), o.shape, out_tdtypes[0])
+    device = kernel.device
     if orders is not None:
-        wrapped = [TpuTensor(Storage(o), m.shape, d, None if p is None else m.stride())
+        wrapped = [TpuTensor(Storage(o, device), m.shape, d, None if p is None else m.stride())
                    for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]
     elif out_tdtypes is not None:
-        wrapped = [TpuTensor(Storage(o), o.shape, d) for o, d in zip(outs, out_tdtypes)]
+        wrapped = [TpuTensor(Storage(o, device), o.shape, d) for o, d in zip(outs, out_tdtypes)]
     else:
-        wrapped = [TpuTensor(Storage(o), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
+        wrapped = [TpuTensor(Storage(o, device), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
     if plan.kind == "mutate":
         return _mutation_result(plan, args, kwargs, wrapped)
     return _unflatten(kernel.out_tree, wrapped)
@@ -396,7 +400,7 @@ def _run_view(plan, args, kwargs):
         storage_shape = src._key[1]
         specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset(),
                              (src.dtype, storage_shape, make_view(storage_shape, m.shape, m.stride(),
-                                                                  m.storage_offset())))
+                                                                  m.storage_offset()), src._key[3]))
                             for m in leaves])
         plan.view_cache[key] = specs
     template, leaves = specs
@@ -461,15 +465,18 @@ def cpu_fallback(plan, args, kwargs):
                       "(counted in torchtpu.metrics cpu_fallbacks)", stacklevel=4)
     modes.note_sync("cpu_fallback")
     moved = {}
+    device = first_device(args, kwargs)  # where the results go
 
     def to_cpu(x, cpu_ok=False):
         if isinstance(x, TpuTensor):
+            if x._storage.device != device:
+                raise _device_mismatch(device, x.device)
             if id(x) not in moved:
                 moved[id(x)] = (x, download(x))
             return moved[id(x)][1]
         if isinstance(x, torch.Tensor) and x.dim() > 0 and not cpu_ok:
             # The CPU op would accept it; a tpu op must not (as with CUDA).
-            raise _device_mismatch(x)
+            raise _device_mismatch(device, x.device)
         if isinstance(x, (list, tuple)):
             return type(x)(to_cpu(v, cpu_ok) for v in x)
         return x
@@ -494,7 +501,7 @@ def cpu_fallback(plan, args, kwargs):
             for orig, cpu in moved.values():
                 if x is cpu:
                     return orig
-            return to_tpu(x)
+            return to_tpu(x, device=device)
         if isinstance(x, (list, tuple)):
             return type(x)(back(v) for v in x)
         return x
@@ -504,6 +511,6 @@ def cpu_fallback(plan, args, kwargs):
 def copy_into(dst, src_cpu):
     """Write a CPU tensor's values into a TpuTensor (through its view)."""
     src_cpu = src_cpu.to(dst.dtype).expand(dst.shape).contiguous()
-    src = to_tpu(src_cpu)
+    src = to_tpu(src_cpu, device=dst._storage.device)
     return dispatch(aten.copy_.default, (dst, src), {})
 

@@ -28,12 +28,12 @@ def _nonzero(x):
     return dispatch(aten.nonzero_static.default, (x,), {"size": n})
 
 
-def _masks_as_indices(indices):
+def _masks_as_indices(indices, device):
     out = []
     for i in indices:
         if _is_mask(i):
             if not isinstance(i, TpuTensor):
-                i = to_tpu(i)
+                i = to_tpu(i, device=device)
             if i.dtype == torch.uint8:
                 i = dispatch(aten.ne.Scalar, (i, 0), {})
             nz = _nonzero(i)
@@ -45,7 +45,7 @@ def _masks_as_indices(indices):
 
 def _index(x, indices):
     if any(_is_mask(i) for i in indices):
-        indices = _masks_as_indices(indices)
+        indices = _masks_as_indices(indices, x._storage.device)
     return _run_accepted(plan_of(aten.index.Tensor), (x, indices), {})
 
 
@@ -53,7 +53,7 @@ def _index_put(x, indices, values, accumulate=False):
     # A mask whose selected values vary along it needs their positions.
     plan = plan_of(aten.index_put.default)
     if not plan.accepts(x, indices, values, accumulate):
-        indices = _masks_as_indices(indices)
+        indices = _masks_as_indices(indices, x._storage.device)
     return _run_accepted(plan, (x, indices, values, accumulate), {})
 
 

@@ -6,11 +6,12 @@ from .. import advisor, cache, metrics, modes, runtime
 from ..tensor import Lost, Storage, TpuTensor, read_view
 
 
-def to_tpu(t, non_blocking=False):
-    """A CPU tensor -> a new TpuTensor holding a copy; non_blocking (from a
-    pinned tensor) starts the transfer and returns (runtime.to_device)."""
-    arr = runtime.to_device(t, non_blocking=non_blocking)
-    return TpuTensor(Storage(arr), tuple(t.shape), t.dtype)
+def to_tpu(t, non_blocking=False, device=0):
+    """A CPU tensor -> a new TpuTensor on tpu:device holding a copy;
+    non_blocking (from a pinned tensor) starts the transfer and returns
+    (runtime.to_device)."""
+    arr = runtime.to_device(t, runtime.DEVICES[device], non_blocking=non_blocking)
+    return TpuTensor(Storage(arr, device), tuple(t.shape), t.dtype)
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,13 +3,15 @@ and view, or a static value; dynamic scalars are fed, not keyed), the
 traceable function that materializes the views, runs the lowering, casts to
 the meta kernel's dtypes and writes written arguments back, and PyTorch's
 meta kernels run for shapes and dtypes."""
+import itertools
+
 import jax.numpy as jnp
 import torch
 
-from .. import bounds, cache, runtime
+from .. import bounds, cache, properties, runtime
 from ..ops import ctx
 from ..ops import random as rng
-from ..tensor import TpuTensor, _is_contiguous, contiguous_strides, read_view, write_view
+from ..tensor import DEVICES, TpuTensor, _is_contiguous, contiguous_strides, read_view, write_view
 from .host import to_tpu
 from .plans import _DYNAMIC_SCALAR_TYPES, _INDICES, _SCALARS
 
@@ -18,10 +20,12 @@ class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
     __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
-                 "stable_key", "bound")
+                 "stable_key", "bound", "device")
 
-    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None):
+    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None, device=0):
         self.name = name
+        # The index of the device it runs on, and its results live on.
+        self.device = device
         # The errors.Bound whose flag fn returns as its last output (torchtpu.bounds).
         self.bound = bound
         # The kernel described the same way in every process (fused mode's
@@ -33,7 +37,7 @@ class Kernel:
         # The storages an in-place op writes, in the order fn returns them.
         self.written_slots = written_slots
         self.avals = None  # output avals, filled by fused mode on first use
-        self.jitted = cache.jit(fn, name=_kernel_name(name))
+        self.jitted = cache.jit(fn, name=_kernel_name(name), device=device)
 
 
 def _kernel_name(name):
@@ -70,13 +74,28 @@ def _build(template, it):
 class _Call:
     """One op call split into what keys its kernel and what feeds it: the
     storages (and their arrays, in slot order) and the dynamic scalars."""
-    __slots__ = ("storages", "arrays", "slots", "dynamic")
+    __slots__ = ("storages", "arrays", "slots", "dynamic", "args")
 
-    def __init__(self, storages, arrays, slots):
+    def __init__(self, storages, arrays, slots, args):
         self.storages = storages
         self.arrays = arrays
         self.slots = slots  # storage -> slot (Storage hashes by identity)
         self.dynamic = []
+        self.args = args  # (args, kwargs) of the op
+
+    def device(self):
+        """Where a CPU scalar argument goes (see first_device)."""
+        return first_device(*self.args)
+
+
+def first_device(args, kwargs):
+    """The device index of an op's first tpu tensor argument, else the
+    current device's."""
+    for a in itertools.chain(args, kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if type(t) is TpuTensor:
+                return t._storage.device
+    return properties.current_index()
 
 
 def _tensor_spec(call, t):
@@ -96,8 +115,8 @@ def _spec(call, value, tensorish):
         return _tensor_spec(call, value)
     if isinstance(value, torch.Tensor):
         if value.device.type == "cpu" and (value.dim() == 0 or tensorish is _INDICES):
-            return _spec(call, to_tpu(value), tensorish)
-        raise _device_mismatch(value)
+            return _spec(call, to_tpu(value, device=call.device()), tensorish)
+        raise _device_mismatch(call.device(), value.device)
     if isinstance(value, (list, tuple)):
         if value and type(value[0]) is TpuTensor and all(type(v) is TpuTensor for v in value):
             # A foreach op's tensor lists.
@@ -115,13 +134,40 @@ def _spec(call, value, tensorish):
         # 4, 4.0 and True are equal keys; a static scalar's type matters
         # (arange(4) is int64, arange(4.0) float32).
         return ("c", value, type(value))
+    if type(value) is torch.device and value.type == "tpu":
+        if value.index is None:
+            # "tpu": the current device, which the key must name.
+            return ("c", DEVICES[properties.current_index()])
+        properties.check_index(value.index)
     return ("c", value)
 
 
-def _device_mismatch(value):
+def _device_mismatch(index, other):
+    """CUDA's error for an op given tensors of two devices."""
     return RuntimeError(
         "Expected all tensors to be on the same device, but found at least two "
-        f"devices, tpu:0 and {value.device}!")
+        f"devices, {DEVICES[index]} and {other}!")
+
+
+def kernel_device(pos_specs, kw_specs):
+    """The index of the device a call runs on: its tpu tensors' (which must
+    agree, as CUDA requires), else its device= argument's, else the current
+    device."""
+    found = None
+    stack = list(pos_specs) + [s for _, s in kw_specs]
+    while stack:
+        spec = stack.pop()
+        kind = spec[0]
+        if kind == "t":
+            if found is None:
+                found = spec[5]
+            elif spec[5] != found:
+                raise _device_mismatch(min(found, spec[5]), DEVICES[max(found, spec[5])])
+        elif kind == "l":
+            stack.extend(spec[1])
+        elif found is None and type(spec[1]) is torch.device and spec[1].type == "tpu":
+            found = spec[1].index
+    return properties.current_index() if found is None else found
 
 
 def _materialize(spec, arrays, scalars):
@@ -158,7 +204,7 @@ def _physical_order(meta):
     return tuple(order)
 
 
-def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
+def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, device=0):
     lowering = plan.lowering
     out_dtypes = out_tdtypes = None
     if out_meta is not None:
@@ -219,7 +265,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None):
 
     stable = repr((plan.name, pos_specs, kw_specs, out_dtypes)) + (" checked" if bound else "")
     kernel = Kernel(plan.name, fn, out_dtypes, written_slots, None if " at 0x" in stable else stable,
-                    bound)
+                    bound, device)
     return kernel
 
 

@@ -2,12 +2,13 @@
 into a whole storage becomes that storage's array), .to(), .item(), pinned
 memory, resize_, and the out= form of ops whose result size depends on
 values."""
+import jax
 import torch
 
-from .. import modes, pinned, runtime
-from ..tensor import Lost, TpuTensor
+from .. import modes, pinned, properties, runtime
+from ..tensor import Lost, Storage, TpuTensor
 from .core import _run_lowered, plan_of, resize
-from .host import download, to_tpu
+from .host import device_array, download, to_tpu
 from .plans import SPECIAL
 
 aten = torch.ops.aten
@@ -20,7 +21,8 @@ def _copy_(dst, src, non_blocking=False):
         torch.empty(dst.shape, dtype=dst.dtype, device="meta").copy_(src.to("meta"))
         # From pinned memory, non_blocking starts the transfer and returns.
         non_blocking = non_blocking and pinned.is_pinned(src)
-        src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous(), non_blocking)
+        src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous(), non_blocking,
+                     dst._storage.device)
         if dst._view is None and type(dst._storage.array) is not Lost:
             # dst is its whole storage (as .to("tpu") makes it): the upload
             # becomes the storage's array, with no copy kernel.
@@ -32,7 +34,17 @@ def _copy_(dst, src, non_blocking=False):
         # dst on CPU, src on tpu
         dst.copy_(download(src))
         return dst
+    elif src._storage.device != dst._storage.device:
+        src = to_device(src, dst._storage.device)
     return _run_lowered(plan_of(aten.copy_.default), (dst, src), {})
+
+
+def to_device(x, index):
+    """A copy of tpu tensor x on tpu:index, copied device to device (in fused
+    mode x's value is computed first: a sync point)."""
+    modes.note_sync("device_copy")
+    arr = jax.device_put(device_array(x), runtime.DEVICES[index])
+    return TpuTensor(Storage(arr, index), tuple(x.shape), x.dtype)
 
 
 def _local_scalar_dense(x):
@@ -78,6 +90,13 @@ def _to_copy_handler(x, **kwargs):
     kwargs.pop("layout", None)
     kwargs.pop("pin_memory", None)
     kwargs.pop("non_blocking", None)
+    if device is not None:
+        index = properties.device_index(device)
+        if index != x._storage.device:
+            properties.check_index(index)
+            x = to_device(x, index)
+            if not kwargs:
+                return x
     return _run_lowered(plan_of(aten._to_copy.default), (x,), kwargs)
 
 

@@ -94,6 +94,7 @@ class _Graph:
         self.input_owners = []  # weak reference to the storage each input came from
         self.input_refs = {}  # id(array) -> ("a", its index in inputs)
         self.scalars = []     # dynamic scalars fed to the graph
+        self.device = 0       # the index of the device all its ops run on
 
 
 class _GraphKey:
@@ -127,12 +128,15 @@ class FusedExecutor(StrictExecutor):
     def run(self, kernel, flat, storages):
         g = self._graph
         ni = len(g.nodes)
-        if ni >= self._limit:
-            # Flush before recording: every earlier result is owned by now.
-            self.flush("limit")
-            flat = [self._concrete_value(x) for x in flat]
-            g = self._graph
-            ni = 0
+        if ni >= self._limit or kernel.device != g.device:
+            if ni:
+                # Flush before recording (a graph runs on one device): every
+                # earlier result is owned by now.
+                self.flush("limit" if ni >= self._limit else "device")
+                flat = [self._concrete_value(x) for x in flat]
+                g = self._graph
+                ni = 0
+            g.device = kernel.device
         input_refs = g.input_refs
         refs = []
         # flat: the arrays of storages, in the same order, then scalars.
@@ -395,7 +399,8 @@ def _build_graph(g, live_refs, donate=None):
     key_text = _stable_key(nodes, live_refs, g)
     if key_text is not None:
         key_text += f"\ndonated {given}"
-    jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else ())
+    jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
+                              device=g.device)
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
 
     def run(inputs, scalars):
