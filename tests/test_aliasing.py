@@ -176,6 +176,50 @@ def test_view_of_view_write(mode):
     _both(fn, torch.arange(12.0))
 
 
+def test_dtype_views_alias_their_storage(mode):
+    """x.view(dtype), view_as_real and view_as_complex read the storage's
+    bytes as another dtype: writes through either side reach the other."""
+    def ints(x):
+        v = x.view(torch.uint8)
+        v[0] = 9  # the lowest byte of x[0]
+        w = v[4:12].view(torch.int32)  # bytes 4..11: x[1:3] again
+        w += 100
+        x[3] = -1
+        return v, w
+    _both(ints, torch.arange(4, dtype=torch.int32))
+
+    def floats(x):
+        bits = x.view(torch.int32)
+        bits.add_(1)  # the next float up
+        halves = x[1:].view(torch.bfloat16)
+        halves[1::2] = 3.0  # the high halves: x[1:] becomes 3.0 and a bit
+        return bits, halves
+    _both(floats, torch.linspace(1, 2, 4))
+
+    def complexes(c):
+        r = torch.view_as_real(c)
+        r[0, 1] = -7  # c[0]'s imaginary part
+        back = torch.view_as_complex(r[1:])
+        back.mul_(1j)
+        c.add_(1)
+        return r, back
+    _both(complexes, torch.tensor([1 + 2j, 3 + 4j, 5 + 6j]))
+
+    def masks(m):
+        b = m.view(torch.bool)
+        b[1] = True
+        return b
+    _both(masks, torch.tensor([1, 0, 0, 1], dtype=torch.uint8))
+
+
+def test_dtype_view_gradients(mode):
+    c_cpu = torch.randn(5, dtype=torch.complex64, requires_grad=True)
+    c = c_cpu.detach().to("tpu").requires_grad_()
+    for z in (c_cpu, c):
+        (torch.view_as_real(z * 2) ** 2).sum().backward()
+    assert_same(c.grad, c_cpu.grad)
+
+
 def test_detach_shares_storage(mode):
     def fn(x):
         d = x.detach()

@@ -247,14 +247,46 @@ def _flat_indices(shape, stride, offset):
     return jnp.broadcast_to(idx, shape)
 
 
+def reinterpret(flat, dtype):
+    """A 1-D array's bytes as a 1-D array of dtype (a jnp dtype): what
+    PyTorch's dtype views (x.view(torch.uint8), view_as_real, view_as_complex)
+    read of their storage."""
+    dtype = jnp.dtype(dtype)
+    if flat.dtype == dtype:
+        return flat
+    if jnp.iscomplexobj(flat):
+        flat = jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1)
+        if flat.dtype == dtype:
+            return flat
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        pairs = reinterpret(flat, jnp.float32 if dtype == jnp.complex64 else jnp.float64).reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
+    if flat.dtype == jnp.bool_:
+        flat = flat.astype(jnp.uint8)
+    target = jnp.dtype(jnp.uint8) if dtype == jnp.bool_ else dtype
+    have, want = flat.dtype.itemsize, target.itemsize
+    if have > want:
+        out = lax.bitcast_convert_type(flat, target).reshape(-1)
+    elif have < want:
+        out = lax.bitcast_convert_type(flat.reshape(-1, want // have), target)
+    else:
+        out = lax.bitcast_convert_type(flat, target)
+    return out != 0 if dtype == jnp.bool_ else out
+
+
 def read_view(arr, view):
+    """The elements view selects of a storage array. A view is (shape,
+    stride, offset) over the flat storage, or (shape, stride, offset, dtype)
+    over the flat storage's bytes read as dtype (a dtype view)."""
     if view is None:
         return arr
-    shape, stride, offset = view
     flat = arr.reshape(-1)
+    if len(view) == 4:
+        flat = reinterpret(flat, view[3])
+    shape, stride, offset = view[:3]
     n = math.prod(shape)
     if n == 0:
-        return jnp.zeros(shape, arr.dtype)
+        return jnp.zeros(shape, flat.dtype)
     if _is_contiguous(shape, stride):
         if offset == 0 and n == flat.shape[0]:
             return flat.reshape(shape)
@@ -277,19 +309,24 @@ def read_view(arr, view):
 
 def write_view(arr, view, value):
     """arr with the elements that view selects replaced by value."""
-    value = value.astype(arr.dtype)
     if view is None:
-        return jnp.broadcast_to(value, arr.shape)
+        return jnp.broadcast_to(value.astype(arr.dtype), arr.shape)
+    if len(view) == 4:
+        # Written as the view's dtype into the storage's bytes read so.
+        flat = _write_flat(reinterpret(arr.reshape(-1), view[3]), view[:3], value)
+        return reinterpret(flat, arr.dtype).reshape(arr.shape)
+    return _write_flat(arr.reshape(-1), view, value).reshape(arr.shape)
+
+
+def _write_flat(flat, view, value):
     shape, stride, offset = view
-    value = jnp.broadcast_to(value, shape)
-    flat = arr.reshape(-1)
+    value = jnp.broadcast_to(value.astype(flat.dtype), shape)
     n = math.prod(shape)
     if n == 0:
-        return arr
+        return flat
     if _is_contiguous(shape, stride):
         if offset == 0 and n == flat.shape[0]:
-            return value.reshape(arr.shape)
-        flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
-        return flat.reshape(arr.shape)
+            return value.reshape(-1)
+        return lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
     idx = _flat_indices(shape, stride, offset)
-    return flat.at[idx.reshape(-1)].set(value.reshape(-1)).reshape(arr.shape)
+    return flat.at[idx.reshape(-1)].set(value.reshape(-1))

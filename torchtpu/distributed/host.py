@@ -19,17 +19,9 @@ def _host(tensors):
 
 
 def assign(t, values):
-    """t.copy_(values) outside autograd. torch.distributed hands a complex
-    tensor to the group as view_as_real(c); a write into such a dtype view of
-    a tpu tensor does not reach c yet, so c gets the values too."""
+    """t.copy_(values) outside autograd (a complex tensor arrives as its
+    view_as_real view, which writes through to it)."""
     with torch.no_grad():
-        base = t._base
-        if t.device.type == "tpu" and base is not None and base.is_complex() \
-                and not t.is_complex():
-            if tuple(base.shape) + (2,) != tuple(t.shape):
-                raise NotImplementedError("collectives on a view_as_real view of part of a "
-                                          "complex tpu tensor")
-            base.copy_(torch.view_as_complex(values.reshape(t.shape).contiguous()))
         t.copy_(values)
 
 
