@@ -12,11 +12,15 @@ imports bootstrap from it before the JAX backend exists.
 
 PyTorch runs a process-group backend written in Python as the group itself,
 not as a per-device backend of it, so the functional collectives (DTensor,
-FSDP2), which look a backend up by device in C++, do not reach it.
+tensor parallelism), which look a backend up by device in C++, would not
+reach it: on tpu tensors the dispatcher hands them to functional.py, which
+runs the group's own collectives.
 """
 
 
 def register():
     # Deferred: the process group needs the dispatcher, which needs the runtime.
+    from .functional import register as register_functional
     from .process_group import register as register_backend
     register_backend()
+    register_functional()
