@@ -264,7 +264,11 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, 
         return tuple(leaves), ()
 
     stable = repr((plan.name, pos_specs, kw_specs, out_dtypes)) + (" checked" if bound else "")
-    kernel = Kernel(plan.name, fn, out_dtypes, written_slots, None if " at 0x" in stable else stable,
+    if " at 0x" in stable or getattr(lowering, "process_local", False):
+        # Not describable across processes (a user's kernel: its code is not
+        # in torchtpu's source digest).
+        stable = None
+    kernel = Kernel(plan.name, fn, out_dtypes, written_slots, stable,
                     bound, device)
     return kernel
 
