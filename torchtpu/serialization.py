@@ -11,8 +11,9 @@ A tpu tensor's data is a JAX array, not a C++ storage, so two UntypedStorage
 subclasses stand in for one:
 - TpuStorage, what `t.untyped_storage()` returns: the face of a live
   storage (nbytes, a stable device address for `data_ptr()`, `.cpu()`
-  downloads it), which torch.save writes and safetensors and Hugging Face
-  use to find tensors that share memory;
+  downloads it, `resize_(0)` frees it and `resize_(nbytes)` gives it back
+  zeroed, as FSDP2 does with unsharded parameters), which torch.save writes
+  and safetensors and Hugging Face use to find tensors that share memory;
 - LoadedStorage: a checkpoint's bytes restored for the tpu device, which
   `set_` (the rebuild's way of viewing a storage) uploads once per dtype.
 """
@@ -23,10 +24,12 @@ import math
 import re
 import weakref
 
+import jax
+import jax.numpy as jnp
 import torch
 
 from . import dispatch, modes, properties, runtime
-from .tensor import DEVICE, DEVICES, Storage, TpuTensor, contiguous_strides
+from .tensor import DEVICE, DEVICES, Lost, Storage, TpuTensor, contiguous_strides
 
 aten = torch.ops.aten
 
@@ -67,6 +70,15 @@ def _untyped_from_bytes(data):
     return torch.load(io.BytesIO(data), weights_only=False)._untyped_storage
 
 
+# The value of a storage resized to 0 bytes: what reading it raises.
+_FREED = RuntimeError("its storage was freed (untyped_storage().resize_(0)) and not "
+                      "resized back")
+
+
+def _is_freed(storage):
+    return type(storage.array) is Lost and storage.array.error is _FREED
+
+
 # Device addresses for data_ptr(): one range per storage, never reused, so
 # equal addresses mean shared memory, as they do for CUDA tensors.
 _next_address = 1 << 44
@@ -95,13 +107,33 @@ class TpuStorage(_OnTpu):
         return storage
 
     def nbytes(self):
-        return self._nbytes
+        storage = self._ref()
+        return 0 if storage is not None and _is_freed(storage) else self._nbytes
 
     def size(self):
-        return self._nbytes
+        return self.nbytes()
 
     def __len__(self):
-        return self._nbytes
+        return self.nbytes()
+
+    def resize_(self, nbytes):
+        """Free the data (0 bytes) or give it back, zeroed (its full size), as
+        FSDP2 frees and reallocates its unsharded parameters; reading a tensor
+        of a freed storage raises."""
+        storage = self.tpu_storage()
+        if nbytes == 0:
+            if not _is_freed(storage):
+                old = storage.array
+                storage.assign(Lost(_FREED, old.shape, old.dtype))
+        elif nbytes == self._nbytes:
+            if _is_freed(storage):
+                old = storage.array
+                storage.assign(jax.device_put(jnp.zeros(old.shape, old.dtype),
+                                              runtime.DEVICES[storage.device]))
+        else:
+            raise RuntimeError(f"torchtpu: a tpu storage resizes only to 0 bytes (freed) or "
+                               f"back to its {self._nbytes} bytes, not {nbytes}")
+        return self
 
     def data_ptr(self):
         return self._address
