@@ -448,11 +448,11 @@ def _run_other(plan, args, kwargs):
     if out is not NotImplemented:
         metrics.M.decompositions[plan.name] += 1
         return out
-    if plan.custom_default:
-        # A library's custom op with a device-independent (Python) kernel:
-        # run it here; its own ops come back through this dispatcher.
+    if plan.custom_default is not None:
+        # A library's custom op with a kernel for tpu or any device (in
+        # Python): run it here; its own ops come back through this dispatcher.
         metrics.M.decompositions[plan.name] += 1
-        return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+        return func._op_dk(plan.custom_default, *args, **kwargs)
     return cpu_fallback(plan, args, kwargs)
 
 

@@ -74,9 +74,15 @@ class Plan:
         else:
             self.kind = "other"
         self.random = getattr(self.lowering, "random", False)
-        self.custom_default = (schema.name.split("::")[0] not in ("aten", "prims")
-                               and torch._C._dispatch_has_kernel_for_dispatch_key(
-                                   qualified, "CompositeExplicitAutograd"))
+        # A library's custom op with a kernel for this device or for any
+        # (FSDP2's copy-in and copy-out ops register Python ones): the key
+        # of the kernel to run, else None.
+        self.custom_default = None
+        if schema.name.split("::")[0] not in ("aten", "prims"):
+            for key in ("PrivateUse1", "CompositeExplicitAutograd"):
+                if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key):
+                    self.custom_default = getattr(torch._C.DispatchKey, key)
+                    break
         # accepts(*args, **kwargs) -> False sends a call the lowering cannot
         # take (a value-dependent shape: boolean-mask indexing) down the
         # decomposition / CPU-fallback path.
