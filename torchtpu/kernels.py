@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax._src import config as jax_config
 
 from . import errors, runtime
 from .ops.registry import lower
@@ -123,14 +124,18 @@ class JaxKernel:
         return f"<custom_jax_kernel {NAMESPACE}::{self.name}>"
 
     def __call__(self, *args, **kwargs):
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = [bound.arguments[p] for p in self.params]
-        kinds = tuple(_kind(v, p) for v, p in zip(values, self.params))
-        overload = self._overloads.get(kinds)
-        if overload is None:
-            overload = self._overloads[kinds] = Overload(self, kinds, values)
-        return overload(values)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            values = [bound.arguments[p] for p in self.params]
+            kinds = tuple(_kind(v, p) for v, p in zip(values, self.params))
+            overload = self._overloads.get(kinds)
+            if overload is None:
+                overload = self._overloads[kinds] = Overload(self, kinds, values)
+            return overload(values)
+        except Exception as e:
+            # At the caller's line, as the dispatcher raises its errors.
+            raise errors.user_error(e, f"{NAMESPACE}.{self.name}", args, kwargs)
 
 
 class Overload:
@@ -195,7 +200,9 @@ class Overload:
                 full[i] = leaf
             return self._call_fn(full)
         try:
-            out = jax.eval_shape(run, *abstract)
+            # Unfiltered tracebacks tell JAX's errors from the function's own.
+            with jax_config.traceback_filtering("off"):
+                out = jax.eval_shape(run, *abstract)
         except Exception as e:
             raise self._error(e, values) from None
         leaves = out if isinstance(out, (tuple, list)) else [out]
@@ -281,7 +288,12 @@ class Overload:
             for i, x in zip(diff, inputs):
                 full[i] = x
             return self._call_fn(full)
-        out, pull = jax.vjp(f, *[values[i] for i in diff])
+        try:
+            out, pull = jax.vjp(f, *[values[i] for i in diff])
+        except Exception as e:
+            # pallas_call, for one, has no reverse-mode rule.
+            raise type(e)(f"jax.vjp of {self.kernel.name} failed ({errors._first_line(e)}); "
+                          "give its gradient with custom_jax_kernel(vjp=...)") from None
         outs = [out] if self.single else list(out)
         cotangents = [g.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact)
                       else np.zeros(o.shape, jax.dtypes.float0) for g, o in zip(grads, outs)]
