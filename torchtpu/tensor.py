@@ -161,6 +161,10 @@ class TpuTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if len(types) > 1 and not all(issubclass(t, TpuTensor) for t in types):
+            # Another wrapper subclass (the functional collectives'
+            # AsyncCollectiveTensor) unwraps itself first, then calls again.
+            return NotImplemented
         return _dispatch(func, args, kwargs or {})
 
     # __reduce_ex__ (torch.save and pickle), untyped_storage and data_ptr are
