@@ -1,0 +1,321 @@
+"""DTensor, FSDP2 (`fully_shard`) and tensor parallelism (`parallelize_module`)
+on tpu tensors, two processes started with torchrun's environment: the
+functional collectives against the same calls through gloo on CPU tensors,
+and each training run against a single process training on the whole
+batch on CPU."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+WORKER = textwrap.dedent("""\
+    import datetime, json, sys, warnings
+    import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+    import torch.distributed._functional_collectives as funcol
+    import torchtpu
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    warnings.simplefilter("ignore", FutureWarning)
+    out = sys.argv[1]
+    device = torch.device("tpu", torch.tpu.current_device())
+    dist.init_process_group(device_id=device, timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    mesh = init_device_mesh("tpu", (world,))
+    result = {"mesh": [mesh.device_type, mesh.size()], "sections": {}}
+
+    def section(name):
+        result["sections"][name] = []
+        return result["sections"][name]
+
+    def close(failures, name, got, want, atol):
+        got = got.detach().cpu()
+        if got.dtype != want.dtype or got.shape != want.shape:
+            failures.append(f"{name}: {got.dtype} {tuple(got.shape)} != "
+                            f"{want.dtype} {tuple(want.shape)}")
+        elif not torch.allclose(got, want, rtol=1e-5, atol=atol):
+            failures.append(f"{name}: off by {(got - want).abs().max().item():.3g}")
+
+    # ---- the functional collectives: tpu tensors against gloo on CPU -------
+    failures = section("functional")
+    fallbacks = dict(torchtpu.metrics.M.cpu_fallbacks)
+
+    def data(dev, n=4, dtype=torch.float32):
+        return (torch.arange(n * 2, dtype=torch.float64).reshape(n, 2) * (rank + 1)
+                - 3.25 * rank).to(dtype).to(dev)
+
+    CALLS = {
+        "all_reduce sum": lambda d, g: funcol.all_reduce(data(d), "sum", g),
+        "all_reduce avg": lambda d, g: funcol.all_reduce(data(d), "avg", g),
+        "all_reduce max int64": lambda d, g: funcol.all_reduce(
+            data(d, dtype=torch.int64), "max", g),
+        "all_reduce_coalesced": lambda d, g: torch.cat(funcol.all_reduce_coalesced(
+            [data(d), data(d, 2) * 2], "sum", g)),
+        "all_reduce_inplace": lambda d, g: funcol.all_reduce_inplace(data(d), "min", g),
+        "all_gather_tensor dim 0": lambda d, g: funcol.all_gather_tensor(data(d), 0, g),
+        "all_gather_tensor dim 1": lambda d, g: funcol.all_gather_tensor(data(d), 1, g),
+        "all_gather_tensor_autograd": lambda d, g: funcol.all_gather_tensor_autograd(
+            data(d), 0, g),
+        "all_gather_into_tensor_coalesced": lambda d, g: torch.cat(
+            funcol.all_gather_into_tensor_coalesced([data(d), data(d, 2)], g)),
+        "reduce_scatter_tensor sum": lambda d, g: funcol.reduce_scatter_tensor(
+            data(d), "sum", 0, g),
+        "reduce_scatter_tensor avg dim 1": lambda d, g: funcol.reduce_scatter_tensor(
+            data(d), "avg", 1, g),
+        "reduce_scatter_tensor_coalesced": lambda d, g: torch.cat(
+            funcol.reduce_scatter_tensor_coalesced([data(d), data(d) * 3], "sum", [0, 0], g)),
+        "all_to_all_single even": lambda d, g: funcol.all_to_all_single(
+            data(d), None, None, g),
+        "all_to_all_single uneven": lambda d, g: funcol.all_to_all_single(
+            data(d, 4), [1, 3] if rank == 0 else [3, 1], [1, 3] if rank == 0 else [3, 1], g),
+        "broadcast": lambda d, g: funcol.broadcast(data(d), 1, g),
+    }
+    for name, fn in CALLS.items():
+        try:
+            want = fn("cpu", gloo)
+            if isinstance(want, funcol.AsyncCollectiveTensor):
+                want = want.wait()
+        except Exception as e:
+            want = e
+        try:
+            got = fn("tpu", mesh)
+            got = got.cpu()
+        except Exception as e:
+            got = e
+        if isinstance(got, Exception) or isinstance(want, Exception):
+            if type(got) is not type(want):
+                failures.append(f"{name}: tpu {got!r} gloo {want!r}")
+        elif got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            failures.append(f"{name}: tpu {got} gloo {want}")
+    x = data("tpu")
+    if funcol.wait_tensor(x) is not x:
+        failures.append("wait_tensor does not return its input")
+    for bad in [lambda: funcol.all_reduce(data("tpu"), "bogus", mesh),
+                lambda: torch.ops._c10d_functional.reduce_scatter_tensor(
+                    data("tpu", 3), "sum", 2, mesh.get_group().group_name)]:
+        try:
+            bad()
+            failures.append("a bad functional collective did not raise")
+        except (ValueError, RuntimeError):
+            pass
+    result["functional_fallbacks"] = {k: v - fallbacks.get(k, 0)
+                                      for k, v in torchtpu.metrics.M.cpu_fallbacks.items()
+                                      if v != fallbacks.get(k, 0)}
+
+    # ---- DTensor -----------------------------------------------------------
+    failures = section("dtensor")
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(6, 4, generator=g)
+    da = distribute_tensor(a.to("tpu"), mesh, [Shard(0)])
+    close(failures, "to_local Shard(0)", da.to_local(), a.chunk(world)[rank], 0)
+    close(failures, "full_tensor", da.full_tensor(), a, 0)
+    close(failures, "redistribute Shard(1)", da.redistribute(mesh, [Shard(1)]).to_local(),
+          a.chunk(world, 1)[rank], 0)
+    close(failures, "redistribute Replicate", da.redistribute(mesh, [Replicate()]).to_local(),
+          a, 0)
+    close(failures, "pointwise", ((da * 2 + 1).relu()).full_tensor(), (a * 2 + 1).relu(), 0)
+    close(failures, "sum", da.sum().full_tensor(), a.sum(), 1e-6)
+    a1 = distribute_tensor(a.to("tpu"), mesh, [Shard(1)])
+    b0 = distribute_tensor(b.to("tpu"), mesh, [Shard(0)])
+    prod = a1 @ b0  # Shard(1) @ Shard(0): a partial sum on each rank
+    if not isinstance(prod.placements[0], Partial):
+        failures.append(f"mm placements {prod.placements}")
+    close(failures, "mm", prod.full_tensor(), a @ b, 1e-6)
+    leaf = distribute_tensor(a.to("tpu"), mesh, [Shard(0)]).requires_grad_()
+    (leaf.full_tensor() * torch.arange(6.0, device="tpu")).sum().backward()
+    close(failures, "backward through full_tensor", leaf.grad.full_tensor(),
+          torch.arange(6.0).expand(4, 6).contiguous(), 0)
+
+    # ---- training: 3 AdamW steps against one process on the whole batch ----
+    g = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    half = slice(4 * rank, 4 * rank + 4)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def reference():
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for _ in range(3):
+            F.mse_loss(model(X), Y).backward()
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters())
+
+    def reference_mixed():
+        # FSDP2's MixedPrecisionPolicy(bf16, fp32) in torch ops on CPU: each
+        # rank's half of the batch through bf16 copies of the parameters,
+        # the bf16 gradients averaged in fp32, the fp32 parameters stepped.
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for _ in range(3):
+            grads = []
+            for r in range(world):
+                low = {n: p.detach().bfloat16().requires_grad_()
+                       for n, p in model.named_parameters()}
+                rows = slice(4 * r, 4 * r + 4)
+                out = torch.func.functional_call(model, low, (X[rows].bfloat16(),))
+                F.mse_loss(out.float(), Y[rows]).backward()
+                grads.append([low[n].grad.float() for n, _ in model.named_parameters()])
+            for p, *gs in zip(model.parameters(), *grads):
+                p.grad = sum(gs) / world
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters())
+
+    def train(model, x, y):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for _ in range(3):
+            F.mse_loss(model(x.to("tpu")).float(), y.to("tpu")).backward()
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters())
+
+    def compare(failures, got, want, atol):
+        for i, (p, q) in enumerate(zip(got, want, strict=True)):
+            close(failures, f"parameter {i}", p.full_tensor(), q.detach(), atol)
+
+    failures = section("fsdp")
+    model = make().to("tpu")
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    shards = [tuple(p.to_local().shape) for p in model.parameters()]
+    if shards != [(8, 8), (8,), (2, 16), (2,)]:
+        failures.append(f"local shards {shards}")
+    compare(failures, train(model, X[half], Y[half]), reference(), 1e-6)
+
+    failures = section("fsdp_mixed")
+    model = make().to("tpu")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append((m.weight.dtype, o.dtype)))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    got = train(model, X[half], Y[half])
+    if set(seen) != {(torch.bfloat16, torch.bfloat16)}:
+        failures.append(f"forward dtypes {seen}")
+    if {p.dtype for p in got} != {torch.float32}:
+        failures.append(f"sharded parameters' dtypes {[p.dtype for p in got]}")
+    # The reference runs the same bf16 math on CPU, so only the kernels
+    # differ: XLA's and CPU's bf16 matmuls may round a result to the other
+    # neighbouring bf16 value (2**-8 relative). A gradient off by that
+    # changes an AdamW step, at most lr = 0.01 in size, by about 2**-8 of it:
+    # 3 steps * 0.01 * 2**-7 (two such roundings a step) ~ 2.3e-4 bounds it,
+    # against the 1e-3 a wrong reduction or the fp32 math would be off.
+    compare(failures, got, reference_mixed(), 3 * 0.01 * 2 ** -7)
+
+    failures = section("tp")
+    model = make().to("tpu")
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    shards = [tuple(p.to_local().shape) for p in model.parameters()]
+    if shards != [(8, 8), (8,), (4, 8), (4,)]:
+        failures.append(f"local shards {shards}")
+    compare(failures, train(model, X, Y), reference(), 1e-6)
+
+    result["training_fallbacks"] = dict(torchtpu.metrics.M.cpu_fallbacks)
+    dist.destroy_process_group()
+    json.dump(result, open(out, "w"))
+""")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Each rank's report from one run of WORKER in two processes."""
+    tmp_path = tmp_path_factory.mktemp("fsdp_tp")
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    base = dict(os.environ, TORCHTPU_CACHE_DIR="off", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()), TORCHTPU_COORDINATOR_PORT=str(_free_port()),
+                WORLD_SIZE="2")
+    base.pop("TORCHTPU_DISTRIBUTED", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(outs[r])],
+                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log
+    return [json.load(open(out)) for out in outs]
+
+
+def _section(results, name):
+    for r in results:
+        assert r["sections"][name] == [], "\n".join(r["sections"][name])
+
+
+def test_functional_collectives_match_gloo_without_the_cpu_fallback(results):
+    for r in results:
+        assert r["mesh"] == ["tpu", 2]
+        assert r["functional_fallbacks"] == {}
+    _section(results, "functional")
+
+
+def test_dtensor_shards_redistributes_and_computes_as_on_cpu(results):
+    _section(results, "dtensor")
+
+
+def test_fsdp2_trains_as_one_process_on_the_whole_batch(results):
+    _section(results, "fsdp")
+    for r in results:  # FSDP2's copy-in and copy-out ops run on tpu too
+        assert r["training_fallbacks"] == {}
+
+
+def test_fsdp2_mixed_precision_trains_as_the_same_bf16_math_on_cpu(results):
+    _section(results, "fsdp_mixed")
+
+
+def test_tensor_parallel_trains_as_one_process_on_the_whole_batch(results):
+    _section(results, "tp")
+
+
+def test_freed_storage_raises_until_given_back():
+    base = torch.arange(6.0, device="tpu")
+    view = base[2:]
+    storage = base.untyped_storage()
+    storage.resize_(0)  # as FSDP2 frees an unsharded parameter
+    assert (storage.size(), view.untyped_storage().nbytes()) == (0, 0)
+    with pytest.raises(RuntimeError, match="freed"):
+        view + 1
+    storage.resize_(6 * 4)
+    assert torch.equal(view.cpu(), torch.zeros(4))
+    view.copy_(torch.ones(4))
+    assert torch.equal(base.cpu(), torch.tensor([0.0, 0, 1, 1, 1, 1]))
+    with pytest.raises(RuntimeError, match="resizes only to 0 bytes"):
+        storage.resize_(8)
+
+
+def test_a_libraries_privateuse1_kernel_runs_on_tpu():
+    import torchtpu
+    lib = torch.library.Library("torchtpu_test_pu1", "DEF")
+    lib.define("affine(Tensor x) -> Tensor")
+    lib.impl("affine", lambda x: x * 2 + 1, "PrivateUse1")
+    lib.impl("affine", lambda x: x * 2 + 1, "CPU")
+    x = torch.randn(3, 4)
+    before = sum(torchtpu.metrics.M.cpu_fallbacks.values())
+    got = torch.ops.torchtpu_test_pu1.affine(x.to("tpu"))
+    assert got.device.type == "tpu"
+    assert torch.equal(got.cpu(), torch.ops.torchtpu_test_pu1.affine(x))
+    assert sum(torchtpu.metrics.M.cpu_fallbacks.values()) == before
