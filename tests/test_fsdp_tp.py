@@ -22,7 +22,7 @@ WORKER = textwrap.dedent("""\
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+                                                   SequenceParallel, parallelize_module)
     warnings.simplefilter("ignore", FutureWarning)
     out = sys.argv[1]
     device = torch.device("tpu", torch.tpu.current_device())
@@ -52,6 +52,10 @@ WORKER = textwrap.dedent("""\
         return (torch.arange(n * 2, dtype=torch.float64).reshape(n, 2) * (rank + 1)
                 - 3.25 * rank).to(dtype).to(dev)
 
+    def name_of(group):
+        return group.group_name if isinstance(group, dist.ProcessGroup) else \
+            group.get_group().group_name
+
     CALLS = {
         "all_reduce sum": lambda d, g: funcol.all_reduce(data(d), "sum", g),
         "all_reduce avg": lambda d, g: funcol.all_reduce(data(d), "avg", g),
@@ -77,6 +81,10 @@ WORKER = textwrap.dedent("""\
         "all_to_all_single uneven": lambda d, g: funcol.all_to_all_single(
             data(d, 4), [1, 3] if rank == 0 else [3, 1], [1, 3] if rank == 0 else [3, 1], g),
         "broadcast": lambda d, g: funcol.broadcast(data(d), 1, g),
+        "all_reduce of an unknown reduce_op": lambda d, g: funcol.all_reduce(data(d), "bogus", g),
+        "reduce_scatter_tensor of rows the group does not divide": lambda d, g:
+            torch.ops._c10d_functional.reduce_scatter_tensor(data(d, 3), "sum", world,
+                                                             name_of(g)),
     }
     for name, fn in CALLS.items():
         try:
@@ -98,14 +106,6 @@ WORKER = textwrap.dedent("""\
     x = data("tpu")
     if funcol.wait_tensor(x) is not x:
         failures.append("wait_tensor does not return its input")
-    for bad in [lambda: funcol.all_reduce(data("tpu"), "bogus", mesh),
-                lambda: torch.ops._c10d_functional.reduce_scatter_tensor(
-                    data("tpu", 3), "sum", 2, mesh.get_group().group_name)]:
-        try:
-            bad()
-            failures.append("a bad functional collective did not raise")
-        except (ValueError, RuntimeError):
-            pass
     result["functional_fallbacks"] = {k: v - fallbacks.get(k, 0)
                                       for k, v in torchtpu.metrics.M.cpu_fallbacks.items()
                                       if v != fallbacks.get(k, 0)}
@@ -195,6 +195,17 @@ WORKER = textwrap.dedent("""\
         failures.append(f"local shards {shards}")
     compare(failures, train(model, X[half], Y[half]), reference(), 1e-6)
 
+    failures = section("fsdp_fused_prefetch")
+    torchtpu.set_eager_mode("fused")
+    model = make().to("tpu")
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model[0].set_modules_to_forward_prefetch([model[2]])
+    model[2].set_modules_to_backward_prefetch([model[0]])
+    compare(failures, train(model, X[half], Y[half]), reference(), 1e-6)
+    torchtpu.set_eager_mode("strict")
+
     failures = section("fsdp_mixed")
     model = make().to("tpu")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -223,6 +234,24 @@ WORKER = textwrap.dedent("""\
     if shards != [(8, 8), (8,), (4, 8), (4,)]:
         failures.append(f"local shards {shards}")
     compare(failures, train(model, X, Y), reference(), 1e-6)
+
+    failures = section("sequence_parallel")
+    # SequenceParallel reads each rank's input as its shard of the sequence.
+    xs = [torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).to("tpu")
+    parallelize_module(model, mesh, {"0": SequenceParallel(),
+                                     "1": ColwiseParallel(input_layouts=Shard(1)),
+                                     "3": RowwiseParallel(output_layouts=Shard(1))})
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    got = model(xs[rank].to("tpu"))
+    want = ref(torch.cat(xs, 1))
+    close(failures, "output", got, want.detach().chunk(world, 1)[rank], 1e-6)
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
+        close(failures, f"gradient {i}", p.grad.full_tensor(), q.grad, 1e-5)
 
     result["training_fallbacks"] = dict(torchtpu.metrics.M.cpu_fallbacks)
     dist.destroy_process_group()
@@ -287,8 +316,16 @@ def test_fsdp2_mixed_precision_trains_as_the_same_bf16_math_on_cpu(results):
     _section(results, "fsdp_mixed")
 
 
+def test_fsdp2_fused_mode_with_explicit_prefetching(results):
+    _section(results, "fsdp_fused_prefetch")
+
+
 def test_tensor_parallel_trains_as_one_process_on_the_whole_batch(results):
     _section(results, "tp")
+
+
+def test_sequence_parallel_forward_and_backward_as_on_cpu(results):
+    _section(results, "sequence_parallel")
 
 
 def test_freed_storage_raises_until_given_back():

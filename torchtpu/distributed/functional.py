@@ -34,7 +34,7 @@ def _options(cls, reduce_op):
     name = reduce_op.upper()
     op = getattr(dist.ReduceOp, name, None) if name.isidentifier() else None
     if not isinstance(op, dist.ReduceOp.RedOpType):
-        raise ValueError(f"Unrecognized reduce_op: {reduce_op}")
+        raise RuntimeError(f"Unrecognized reduce_op: {reduce_op}")
     opts = cls()
     opts.reduceOp = op
     return opts
