@@ -1,8 +1,8 @@
 """DTensor, FSDP2 (`fully_shard`) and tensor parallelism (`parallelize_module`)
-on tpu tensors, two processes started with torchrun's environment: the
-functional collectives against the same calls through gloo on CPU tensors,
-and each training run against a single process training on the whole
-batch on CPU."""
+on tpu tensors, in processes started with torchrun's environment (two; four
+for a 2-D mesh): the functional collectives against the same calls through
+gloo on CPU tensors, and each training run against a single process
+training on the whole batch on CPU."""
 import json
 import os
 import socket
@@ -13,7 +13,9 @@ import textwrap
 import pytest
 import torch
 
-WORKER = textwrap.dedent("""\
+# What both workers share: set-up, comparisons, the model and its training
+# on one CPU process.
+COMMON = textwrap.dedent("""\
     import datetime, json, sys, warnings
     import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
     import torch.distributed._functional_collectives as funcol
@@ -28,9 +30,7 @@ WORKER = textwrap.dedent("""\
     device = torch.device("tpu", torch.tpu.current_device())
     dist.init_process_group(device_id=device, timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    gloo = dist.new_group(backend="gloo")
-    mesh = init_device_mesh("tpu", (world,))
-    result = {"mesh": [mesh.device_type, mesh.size()], "sections": {}}
+    result = {"sections": {}}
 
     def section(name):
         result["sections"][name] = []
@@ -43,6 +43,71 @@ WORKER = textwrap.dedent("""\
                             f"{want.dtype} {tuple(want.shape)}")
         elif not torch.allclose(got, want, rtol=1e-5, atol=atol):
             failures.append(f"{name}: off by {(got - want).abs().max().item():.3g}")
+
+    # ---- training: 3 AdamW steps against one process on the whole batch ----
+    g = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def reference():
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for _ in range(3):
+            F.mse_loss(model(X), Y).backward()
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters())
+
+    def reference_mixed():
+        # FSDP2's MixedPrecisionPolicy(bf16, fp32) in torch ops on CPU: each
+        # rank's half of the batch through bf16 copies of the parameters,
+        # the bf16 gradients averaged in fp32, the fp32 parameters stepped.
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for _ in range(3):
+            grads = []
+            for r in range(world):
+                low = {n: p.detach().bfloat16().requires_grad_()
+                       for n, p in model.named_parameters()}
+                rows = slice(4 * r, 4 * r + 4)
+                out = torch.func.functional_call(model, low, (X[rows].bfloat16(),))
+                F.mse_loss(out.float(), Y[rows]).backward()
+                grads.append([low[n].grad.float() for n, _ in model.named_parameters()])
+            for p, *gs in zip(model.parameters(), *grads):
+                p.grad = sum(gs) / world
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters())
+
+    def train(model, x, y):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for _ in range(3):
+            F.mse_loss(model(x.to("tpu")).float(), y.to("tpu")).backward()
+            opt.step()
+            opt.zero_grad()
+        return list(model.parameters())
+
+    def compare(failures, got, want, atol):
+        for i, (p, q) in enumerate(zip(got, want, strict=True)):
+            close(failures, f"parameter {i}", p.full_tensor(), q.detach(), atol)
+
+""")
+
+END = textwrap.dedent("""\
+    result["training_fallbacks"] = dict(torchtpu.metrics.M.cpu_fallbacks)
+    dist.destroy_process_group()
+    json.dump(result, open(out, "w"))
+""")
+
+# Two processes: the functional collectives, DTensor, FSDP2, TP.
+WORKER = COMMON + textwrap.dedent("""\
+    gloo = dist.new_group(backend="gloo")
+    mesh = init_device_mesh("tpu", (world,))
+    result["mesh"] = [mesh.device_type, mesh.size()]
+    half = slice(4 * rank, 4 * rank + 4)
 
     # ---- the functional collectives: tpu tensors against gloo on CPU -------
     failures = section("functional")
@@ -134,57 +199,6 @@ WORKER = textwrap.dedent("""\
     close(failures, "backward through full_tensor", leaf.grad.full_tensor(),
           torch.arange(6.0).expand(4, 6).contiguous(), 0)
 
-    # ---- training: 3 AdamW steps against one process on the whole batch ----
-    g = torch.Generator().manual_seed(1)
-    X, Y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-    half = slice(4 * rank, 4 * rank + 4)
-
-    def make():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-    def reference():
-        model = make()
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        for _ in range(3):
-            F.mse_loss(model(X), Y).backward()
-            opt.step()
-            opt.zero_grad()
-        return list(model.parameters())
-
-    def reference_mixed():
-        # FSDP2's MixedPrecisionPolicy(bf16, fp32) in torch ops on CPU: each
-        # rank's half of the batch through bf16 copies of the parameters,
-        # the bf16 gradients averaged in fp32, the fp32 parameters stepped.
-        model = make()
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        for _ in range(3):
-            grads = []
-            for r in range(world):
-                low = {n: p.detach().bfloat16().requires_grad_()
-                       for n, p in model.named_parameters()}
-                rows = slice(4 * r, 4 * r + 4)
-                out = torch.func.functional_call(model, low, (X[rows].bfloat16(),))
-                F.mse_loss(out.float(), Y[rows]).backward()
-                grads.append([low[n].grad.float() for n, _ in model.named_parameters()])
-            for p, *gs in zip(model.parameters(), *grads):
-                p.grad = sum(gs) / world
-            opt.step()
-            opt.zero_grad()
-        return list(model.parameters())
-
-    def train(model, x, y):
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        for _ in range(3):
-            F.mse_loss(model(x.to("tpu")).float(), y.to("tpu")).backward()
-            opt.step()
-            opt.zero_grad()
-        return list(model.parameters())
-
-    def compare(failures, got, want, atol):
-        for i, (p, q) in enumerate(zip(got, want, strict=True)):
-            close(failures, f"parameter {i}", p.full_tensor(), q.detach(), atol)
-
     failures = section("fsdp")
     model = make().to("tpu")
     for layer in (model[0], model[2]):
@@ -253,10 +267,26 @@ WORKER = textwrap.dedent("""\
     for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
         close(failures, f"gradient {i}", p.grad.full_tensor(), q.grad, 1e-5)
 
-    result["training_fallbacks"] = dict(torchtpu.metrics.M.cpu_fallbacks)
-    dist.destroy_process_group()
-    json.dump(result, open(out, "w"))
-""")
+""") + END
+
+# Four processes: a 2-D mesh, FSDP2 over "dp" and TP over "tp".
+WORKER_2D = COMMON + textwrap.dedent("""\
+    mesh = init_device_mesh("tpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    half = slice(4 * dp, 4 * dp + 4)
+    failures = section("fsdp_tp_2d")
+    model = make().to("tpu")
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    placements = [p.placements for p in model.parameters()]
+    if [ps[1] for ps in placements] != [Shard(0), Shard(0), Shard(1), Replicate()] or \
+            any(type(ps[0]).__name__ not in ("Shard", "_StridedShard")  # dp: sharded
+                for ps in placements):
+        failures.append(f"placements {placements}")
+    compare(failures, train(model, X[half], Y[half]), reference(), 1e-6)
+""") + END
 
 
 def _free_port():
@@ -265,21 +295,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Each rank's report from one run of WORKER in two processes."""
-    tmp_path = tmp_path_factory.mktemp("fsdp_tp")
+def _run(tmp_path, worker, n):
+    """Each rank's report from one run of worker in n processes."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    script.write_text(worker)
+    outs = [tmp_path / f"rank{r}.json" for r in range(n)]
     base = dict(os.environ, TORCHTPU_CACHE_DIR="off", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(_free_port()), TORCHTPU_COORDINATOR_PORT=str(_free_port()),
-                WORLD_SIZE="2")
+                WORLD_SIZE=str(n))
     base.pop("TORCHTPU_DISTRIBUTED", None)
     procs = [subprocess.Popen([sys.executable, str(script), str(outs[r])],
                               env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+             for r in range(n)]
     try:
         logs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
@@ -288,6 +316,11 @@ def results(tmp_path_factory):
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log
     return [json.load(open(out)) for out in outs]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("fsdp_tp"), WORKER, 2)
 
 
 def _section(results, name):
@@ -326,6 +359,13 @@ def test_tensor_parallel_trains_as_one_process_on_the_whole_batch(results):
 
 def test_sequence_parallel_forward_and_backward_as_on_cpu(results):
     _section(results, "sequence_parallel")
+
+
+def test_fsdp2_and_tp_on_a_2d_mesh_of_four_processes(tmp_path):
+    results = _run(tmp_path, WORKER_2D, 4)
+    _section(results, "fsdp_tp_2d")
+    for r in results:
+        assert r["training_fallbacks"] == {}
 
 
 def test_freed_storage_raises_until_given_back():
