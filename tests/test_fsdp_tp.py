@@ -146,6 +146,9 @@ WORKER = COMMON + textwrap.dedent("""\
         "all_to_all_single uneven": lambda d, g: funcol.all_to_all_single(
             data(d, 4), [1, 3] if rank == 0 else [3, 1], [1, 3] if rank == 0 else [3, 1], g),
         "broadcast": lambda d, g: funcol.broadcast(data(d), 1, g),
+        "isend and irecv": lambda d, g: funcol.wait_tensor(
+            torch.ops._c10d_functional.isend(data(d), 1, 0, name_of(g)) if rank == 0 else
+            torch.ops._c10d_functional.irecv(data(d) * 0, 0, 0, name_of(g))),
         "all_reduce of an unknown reduce_op": lambda d, g: funcol.all_reduce(data(d), "bogus", g),
         "reduce_scatter_tensor of rows the group does not divide": lambda d, g:
             torch.ops._c10d_functional.reduce_scatter_tensor(data(d, 3), "sum", world,

@@ -10,6 +10,8 @@ functional ops take the same path as `dist.all_reduce` and friends (XLA
 collectives under jax.distributed, after the ranks' agreement; gloo on host
 copies otherwise). A collective is issued when its op returns, so
 `wait_tensor` gives its input back: reading the result waits for it.
+batch_p2p_ops has no handler: it runs PyTorch's kernel, which calls the
+group's send and recv.
 """
 import torch
 import torch.distributed as dist
@@ -118,7 +120,7 @@ def reduce_scatter_tensor_coalesced(inputs, reduce_op, group_size, group_name):
     return [reduce_scatter_tensor(t, reduce_op, group_size, group_name) for t in inputs]
 
 
-# ---- all_to_all, broadcast, wait --------------------------------------------
+# ---- all_to_all, broadcast, send/recv, wait ----------------------------------
 
 def all_to_all_single(input, output_split_sizes, input_split_sizes, group_name):
     rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
@@ -137,6 +139,16 @@ def broadcast_(input, src, group_name):
 
 def broadcast(input, src, group_name):
     return broadcast_(_fresh(input), src, group_name)
+
+
+def isend(tensor, dst, tag, group_name):
+    _group(group_name).send([tensor], dst, tag).wait()
+    return tensor.new_empty((0,))  # as PyTorch's kernel returns
+
+
+def irecv(tensor, src, tag, group_name):
+    _group(group_name).recv([tensor], src, tag).wait()
+    return tensor
 
 
 def wait_tensor(tensor):
@@ -159,6 +171,8 @@ HANDLERS = {
     functional.all_to_all_single.default: all_to_all_single,
     functional.broadcast.default: broadcast,
     functional.broadcast_.default: broadcast_,
+    functional.isend.default: isend,
+    functional.irecv.default: irecv,
     functional.wait_tensor.default: wait_tensor,
 }
 
