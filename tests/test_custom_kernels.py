@@ -345,17 +345,19 @@ def test_changing_python_float_does_not_recompile(eager):
         assert_same(rms_norm(x.to("tpu"), w.to("tpu"), eps), rms_norm_torch(x, w, eps))
 
 
-def test_static_float_compiles_per_value(mode):
+@pytest.mark.parametrize("eager", ["debug", "strict"])
+def test_static_float_compiles_per_value(eager):
+    # (Per kernel: fused mode compiles graphs, and runs changing ones op by op.)
     static_norm = torchtpu.custom_jax_kernel(rms_norm.__wrapped__, name="rms_norm_static",
                                              static_argnames=("eps",))
     x, w = _inputs((4, 16), (16,))
     xd, wd = x.to("tpu"), w.to("tpu")
     compiled = []
-    for eps in (1e-1, 1.0, 1e-1):
-        before = metrics.snapshot()["compilations"]
-        assert_same(static_norm(xd, wd, eps), rms_norm_torch(x, w, eps))
-        torchtpu.sync()
-        compiled.append(metrics.snapshot()["compilations"] - before)
+    with torchtpu.eager_mode(eager):
+        for eps in (1e-1, 1.0, 1e-1):
+            before = metrics.snapshot()["compilations"]
+            assert_same(static_norm(xd, wd, eps), rms_norm_torch(x, w, eps))
+            compiled.append(metrics.snapshot()["compilations"] - before)
     assert compiled[0] >= 1 and compiled[1] >= 1 and compiled[2] == 0
 
 
@@ -367,3 +369,18 @@ def test_example_runs(tmp_path):
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "matches the torch-ops model" in done.stdout
+
+
+def test_under_torch_compile(mode):
+    def step(x):
+        return rms_norm(x + 1, torch.ones(4, device=x.device), 1e-3).square().sum()
+    compiled = torch.compile(step, backend="tpu")
+    x, = _inputs((3, 4))
+    xd = x.to("tpu").requires_grad_()
+    xc = x.clone().requires_grad_()
+    loss = compiled(xd)
+    loss.backward()
+    ref = rms_norm_torch(xc + 1, torch.ones(4), 1e-3).square().sum()
+    ref.backward()
+    assert_same(loss, ref.detach())
+    assert_same(xd.grad, xc.grad)

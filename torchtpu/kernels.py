@@ -157,6 +157,7 @@ class Overload:
         _LIB.define(f"{qualified}({args}) -> {'Tensor' if self.single else 'Tensor[]'}")
         _LIB.impl(qualified, self._meta, "Meta")
         self.op = getattr(getattr(torch.ops, NAMESPACE), kernel.name).__getattr__(overload)
+
         def lowering(*values):
             out = self._call_fn(values)
             return out if self.single else list(out)
@@ -235,11 +236,10 @@ class Overload:
         where = _raised_in(e)
         what = f"{type(e).__name__}: {errors._first_line(e)}"
         msg = f"torchtpu: {self._describe(values)}: {what}"
-        if isinstance(e, errors._TRACER_ERRORS):
-            traced = sorted(self.traced)
-            msg += (f" (traced arguments: {', '.join(traced)}; name those the kernel needs as "
-                    "Python values in static_argnames=)" if traced else "")
-            return RuntimeError(msg)
+        if self.traced and (isinstance(e, errors._TRACER_ERRORS) or "Tracer" in what):
+            # A traced number used where JAX needs a Python value (a shape).
+            return RuntimeError(f"{msg} (traced arguments: {', '.join(sorted(self.traced))}; "
+                                "name those the kernel needs as Python values in static_argnames=)")
         if where is not None and not where.startswith(_JAX_DIRS):
             try:
                 return type(e)(msg)
@@ -336,6 +336,9 @@ class _KernelFunction(torch.autograd.Function):
         ctx.overload = overload
         ctx.others = [None if k == "Tensor" else v for v, k in zip(values, overload.kinds)]
         out = overload.op(*values)
+        outs = [out] if overload.single else out
+        ctx.mark_non_differentiable(*[o for o in outs
+                                      if not (o.dtype.is_floating_point or o.dtype.is_complex)])
         return out if overload.single else tuple(out)
 
     @staticmethod
