@@ -361,6 +361,42 @@ def test_static_float_compiles_per_value(eager):
     assert compiled[0] >= 1 and compiled[1] >= 1 and compiled[2] == 0
 
 
+# ---- the disk cache ----------------------------------------------------------------
+
+_EDITED_KERNEL = """
+import sys, torch, torchtpu
+from torchtpu import cache
+torchtpu.set_eager_mode("fused")
+@torchtpu.custom_jax_kernel
+def shifted(x):
+    return x + {shift}
+x = torch.arange(4.0).to("tpu")
+torchtpu.sync()
+before = cache.stats()["disk_programs"]
+print("RESULT", (shifted(x) * 2).cpu().tolist(), "NEW PROGRAMS", cache.stats()["disk_programs"] - before)
+"""
+
+
+def _run_shifted(tmp_path, shift):
+    script = tmp_path / f"shifted_{shift}.py"
+    script.write_text(_EDITED_KERNEL.format(shift=shift))
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = next(li for li in done.stdout.splitlines() if li.startswith("RESULT"))
+    return line
+
+
+def test_edited_kernel_is_not_served_from_a_stored_fused_program(tmp_path):
+    """Fused graphs with a kernel in them are not stored across processes:
+    the same name with another body, in the next process, runs the new body."""
+    expected = [(v + 1.0) * 2 for v in range(4)]
+    assert _run_shifted(tmp_path, 1) == f"RESULT {expected} NEW PROGRAMS 0"
+    expected = [(v + 5.0) * 2 for v in range(4)]
+    assert _run_shifted(tmp_path, 5) == f"RESULT {expected} NEW PROGRAMS 0"
+
+
 # ---- the example ------------------------------------------------------------------
 
 def test_example_runs(tmp_path):
