@@ -8,7 +8,9 @@ they reach the dispatcher instead, which hands them to the handlers here:
 each resolves the group by name and runs the group's collective, so the
 functional ops take the same path as `dist.all_reduce` and friends (XLA
 collectives under jax.distributed, after the ranks' agreement; gloo on host
-copies otherwise). A collective is issued when its op returns, so
+copies otherwise). On XLA, all_reduce, all_gather_into_tensor and
+reduce_scatter_tensor return the collective's result as it comes, with no
+copy into a prepared tensor. A collective is issued when its op returns, so
 `wait_tensor` gives its input back: reading the result waits for it.
 batch_p2p_ops has no handler: it runs PyTorch's kernel, which calls the
 group's send and recv.
@@ -21,6 +23,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from torch.distributed import distributed_c10d as c10d
 
 from ..dispatch.plans import SPECIAL
+from .process_group import TpuProcessGroup
 
 functional = torch.ops._c10d_functional
 
@@ -40,6 +43,12 @@ def _options(cls, reduce_op):
     opts = cls()
     opts.reduceOp = op
     return opts
+
+
+def _on_xla(group, tensors):
+    """Whether group runs these tensors' collective on XLA, where its result
+    comes as a new tensor (no copy into a prepared one)."""
+    return isinstance(group, TpuProcessGroup) and group._on_xla(tensors)
 
 
 def _fresh(t):
@@ -62,6 +71,9 @@ def all_reduce_(input, reduce_op, group_name):
 
 
 def all_reduce(input, reduce_op, group_name):
+    group = _group(group_name)
+    if _on_xla(group, [input]):
+        return group.reduced("all_reduce", [input], _options(AllreduceOptions, reduce_op))[0]
     return all_reduce_(_fresh(input), reduce_op, group_name)
 
 
@@ -72,6 +84,10 @@ def all_reduce_coalesced_(inputs, reduce_op, group_name):
 
 
 def all_reduce_coalesced(inputs, reduce_op, group_name):
+    group = _group(group_name)
+    if _on_xla(group, inputs):
+        opts = _options(AllreduceCoalescedOptions, reduce_op)
+        return group.reduced("all_reduce_coalesced", list(inputs), opts)
     return all_reduce_coalesced_([_fresh(t) for t in inputs], reduce_op, group_name)
 
 
@@ -84,15 +100,19 @@ def all_gather_into_tensor_out(input, group_size, group_name, *, out):
     return out
 
 
-def _gathered(input, group_size):
+def _gathered_shape(input, group_size):
     if input.dim() == 0:
-        return input.new_empty((group_size,))
-    return input.new_empty((input.shape[0] * group_size,) + tuple(input.shape[1:]))
+        return (group_size,)
+    return (input.shape[0] * group_size,) + tuple(input.shape[1:])
 
 
 def all_gather_into_tensor(input, group_size, group_name):
-    return all_gather_into_tensor_out(input, group_size, group_name,
-                                      out=_gathered(input, group_size))
+    group = _group(group_name)
+    shape = _gathered_shape(input, group_size)
+    if _on_xla(group, [input]):
+        _check_group_size("all_gather_into_tensor", group, group_size)
+        return group.gathered("all_gather_into_tensor", input, shape)
+    return all_gather_into_tensor_out(input, group_size, group_name, out=input.new_empty(shape))
 
 
 def all_gather_into_tensor_coalesced(inputs, group_size, group_name):
@@ -112,8 +132,14 @@ def reduce_scatter_tensor(input, reduce_op, group_size, group_name):
         raise RuntimeError(f"reduce_scatter_tensor: the input's first dimension "
                            f"({tuple(input.shape)}) must be divisible by group_size "
                            f"({group_size})")
-    out = input.new_empty((input.shape[0] // group_size,) + tuple(input.shape[1:]))
-    return reduce_scatter_tensor_out(input, reduce_op, group_size, group_name, out=out)
+    shape = (input.shape[0] // group_size,) + tuple(input.shape[1:])
+    group = _group(group_name)
+    if _on_xla(group, [input]):
+        _check_group_size("reduce_scatter_tensor", group, group_size)
+        opts = _options(ReduceScatterOptions, reduce_op)
+        return group.scattered("reduce_scatter_tensor", input, opts, shape)
+    return reduce_scatter_tensor_out(input, reduce_op, group_size, group_name,
+                                     out=input.new_empty(shape))
 
 
 def reduce_scatter_tensor_coalesced(inputs, reduce_op, group_size, group_name):

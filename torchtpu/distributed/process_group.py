@@ -11,6 +11,8 @@ gloo on the host (host.py).
 Each call returns a finished Work: the collective has been issued (in
 strict mode asynchronously: a read of the result waits for it).
 """
+import math
+
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions,
@@ -43,10 +45,15 @@ def _index(array):
     return runtime.DEVICES.index(next(iter(array.devices())))
 
 
+def _tensor(result, dtype, shape):
+    """result (a JAX array of shape's numel) as a tpu tensor of shape."""
+    return wrap(result, dtype, device=_index(result)).reshape(shape)
+
+
 def _write(t, result):
     """t (a tpu tensor) gets result's values (a JAX array of t's numel on
     t's device), through the dispatcher's copy."""
-    host.assign(t, wrap(result, t.dtype, device=_index(result)).reshape(t.shape))
+    host.assign(t, _tensor(result, t.dtype, t.shape))
 
 
 def _reduction(opts, tensors):
@@ -64,9 +71,12 @@ def _reduction(opts, tensors):
 
 
 def _check_numel(name, output, input, factor):
-    if output.numel() * factor != input.numel():
-        raise ValueError(f"{name}: the output has {output.numel()} elements, the input "
-                         f"{input.numel()}; one must be {factor} times the other")
+    """output and input: tensors or shapes."""
+    out_numel, in_numel = (math.prod(t.shape) if hasattr(t, "shape") else math.prod(t)
+                           for t in (output, input))
+    if out_numel * factor != in_numel:
+        raise ValueError(f"{name}: the output has {out_numel} elements, the input "
+                         f"{in_numel}; one must be {factor} times the other")
 
 
 class TpuProcessGroup(dist.ProcessGroup):
@@ -148,15 +158,45 @@ class TpuProcessGroup(dist.ProcessGroup):
         return self._all_reduce("all_reduce", tensors, opts)
 
     def _all_reduce(self, name, tensors, opts, root=None):
+        results = self.reduced(name, tensors, opts, root)
+        if root is None or root == self.rank():
+            for t, result in zip(tensors, results):
+                host.assign(t, result)
+        return host.done(tensors)
+
+    # The XLA paths' results as new tensors, which the functional
+    # collectives (functional.py) return as they are.
+
+    def reduced(self, name, tensors, opts, root=None):
+        """On XLA: the reductions of tensors over the group, new tensors."""
         arrays = [device_array(t) for t in tensors]
         devices, _, op = self._agree(name, arrays,
                                      f"{opts.reduceOp.op.name} {root} {_describe(tensors)}",
                                      check=lambda: _reduction(opts, tensors))
-        for t, a in zip(tensors, arrays):
-            result = xla.run("all_reduce", devices, a, op=op)
-            if root is None or root == self.rank():
-                _write(t, result)
-        return host.done(tensors)
+        return [_tensor(xla.run("all_reduce", devices, a, op=op), t.dtype, t.shape)
+                for t, a in zip(tensors, arrays)]
+
+    def gathered(self, name, input, shape):
+        """On XLA: the inputs of the group's ranks concatenated, a new tensor
+        of shape."""
+        arrays = [device_array(input)]
+        devices, _, _ = self._agree(name, arrays, f"{tuple(shape)} {_describe([input])}",
+                                    check=lambda: _check_numel(name, input, shape, self.size()))
+        return _tensor(xla.run("all_gather", devices, arrays[0]), input.dtype, shape)
+
+    def scattered(self, name, input, opts, shape):
+        """On XLA: this rank's part of the inputs' reduction, a new tensor of
+        shape."""
+        array = device_array(input)
+
+        def check():
+            _check_numel(name, shape, input, self.size())
+            return _reduction(opts, [input])
+
+        devices, _, op = self._agree(
+            name, [array], f"{opts.reduceOp.op.name} {tuple(shape)} {_describe([input])}",
+            check=check)
+        return _tensor(xla.run("reduce_scatter", devices, array, op=op), input.dtype, shape)
 
     def allreduce_coalesced(self, tensors, opts=AllreduceCoalescedOptions()):
         if not self._on_xla(tensors):
@@ -224,11 +264,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         if not self._on_xla([output, input]):
             self._agree_host("all_gather_into_tensor", [output, input])
             return host.single(self._gloo, "_allgather_base", output, input, opts)
-        name = "all_gather_into_tensor"
-        arrays = [device_array(input)]
-        devices, _, _ = self._agree(name, arrays, _describe([output, input]),
-                                    check=lambda: _check_numel(name, input, output, self.size()))
-        _write(output, xla.run("all_gather", devices, arrays[0]))
+        host.assign(output, self.gathered("all_gather_into_tensor", input, output.shape))
         return host.done(output)
 
     def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
@@ -238,15 +274,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter("reduce_scatter_tensor", output, input, opts)
 
     def _reduce_scatter(self, name, output, input, opts):
-        array = device_array(input)
-
-        def check():
-            _check_numel(name, output, input, self.size())
-            return _reduction(opts, [input])
-
-        devices, _, op = self._agree(
-            name, [array], f"{opts.reduceOp.op.name} {_describe([output, input])}", check=check)
-        _write(output, xla.run("reduce_scatter", devices, array, op=op))
+        host.assign(output, self.scattered(name, input, opts, output.shape))
         return host.done(output)
 
     def reduce_scatter(self, outputs, input_lists, opts=ReduceScatterOptions()):
