@@ -169,7 +169,8 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
         _same(cold, again)
         # A stored program serves only the XLA flags it was stored under
         # (this one leaves JAX's own key, and so its entry, as it is).
-        flags = _run(script, d, mode, XLA_FLAGS="--xla_dump_disable_metadata=true")
+        flags = _run(script, d, mode, XLA_FLAGS=" ".join(  # (the device count stays)
+            filter(None, [os.environ.get("XLA_FLAGS"), "--xla_dump_disable_metadata=true"])))
         s4 = flags["stats"]
         assert s4["programs_loaded"] == 0 and s4["compilations"] == 0
         assert s4["disk_programs"] == 2 * len(programs)

@@ -278,15 +278,27 @@ def reinterpret(flat, dtype):
     return out != 0 if dtype == jnp.bool_ else out
 
 
+def reinterpret_as(flat, storage_dtype, dtype):
+    """reinterpret for torch dtypes: complex32 is stored as complex64 whose
+    parts are float16 values, and its bytes are those float16 pairs."""
+    if storage_dtype == torch.complex32:
+        flat = jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1).astype(jnp.float16)
+    if dtype == torch.complex32:
+        parts = reinterpret(flat, jnp.float16).reshape(-1, 2).astype(jnp.float32)
+        return lax.complex(parts[:, 0], parts[:, 1])
+    return reinterpret(flat, runtime.jax_dtype(dtype))
+
+
 def read_view(arr, view):
     """The elements view selects of a storage array. A view is (shape,
-    stride, offset) over the flat storage, or (shape, stride, offset, dtype)
-    over the flat storage's bytes read as dtype (a dtype view)."""
+    stride, offset) over the flat storage, or (shape, stride, offset, dtype,
+    storage dtype) over the flat storage's bytes read as dtype (a dtype view;
+    torch dtypes)."""
     if view is None:
         return arr
     flat = arr.reshape(-1)
-    if len(view) == 4:
-        flat = reinterpret(flat, view[3])
+    if len(view) == 5:
+        flat = reinterpret_as(flat, view[4], view[3])
     shape, stride, offset = view[:3]
     n = math.prod(shape)
     if n == 0:
@@ -315,10 +327,10 @@ def write_view(arr, view, value):
     """arr with the elements that view selects replaced by value."""
     if view is None:
         return jnp.broadcast_to(value.astype(arr.dtype), arr.shape)
-    if len(view) == 4:
+    if len(view) == 5:
         # Written as the view's dtype into the storage's bytes read so.
-        flat = _write_flat(reinterpret(arr.reshape(-1), view[3]), view[:3], value)
-        return reinterpret(flat, arr.dtype).reshape(arr.shape)
+        flat = _write_flat(reinterpret_as(arr.reshape(-1), view[4], view[3]), view[:3], value)
+        return reinterpret_as(flat, view[3], view[4]).reshape(arr.shape)
     return _write_flat(arr.reshape(-1), view, value).reshape(arr.shape)
 
 

@@ -391,8 +391,7 @@ def _run_view(plan, args, kwargs):
     if specs is None:
         storage_shape, src_view = src._key[1], src._key[2]
         # The storage's dtype: src's, unless src views its bytes as another.
-        storage_dtype = (src.dtype if src_view is None or len(src_view) == 3
-                         else runtime.torch_dtype(src._storage.array.dtype))
+        storage_dtype = src.dtype if src_view is None or len(src_view) == 3 else src_view[4]
         numel = math.prod(storage_shape) * storage_dtype.itemsize // src.dtype.itemsize
         base = torch.empty(numel, dtype=src.dtype, device="meta").as_strided(
             src.shape, src.stride(), src.storage_offset())
@@ -400,7 +399,7 @@ def _run_view(plan, args, kwargs):
         leaves = []
         template = _flatten(out, leaves)
         specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset(),
-                             (m.dtype, storage_shape, _view_of(plan, m, storage_shape, storage_dtype),
+                             (m.dtype, storage_shape, _view_of(m, storage_shape, storage_dtype),
                               src._key[3]))
                             for m in leaves])
         plan.view_cache[key] = specs
@@ -412,16 +411,13 @@ def _run_view(plan, args, kwargs):
     return _unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])
 
 
-def _view_of(plan, m, storage_shape, storage_dtype):
+def _view_of(m, storage_shape, storage_dtype):
     """The view spec of meta result m over a storage of storage_dtype: its
     elements, or (x.view(torch.uint8), view_as_real) the storage's bytes read
     as m's dtype, so that writes through either reach the other."""
     if m.dtype == storage_dtype:
         return make_view(storage_shape, m.shape, m.stride(), m.storage_offset())
-    if torch.complex32 in (m.dtype, storage_dtype):
-        raise NotImplementedError(f"{plan.name}: complex32 tensors viewed as another dtype "
-                                  "are not supported on tpu")
-    return (tuple(m.shape), tuple(m.stride()), m.storage_offset(), runtime.jax_dtype(m.dtype))
+    return (tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype, storage_dtype)
 
 
 def _hashable(x):

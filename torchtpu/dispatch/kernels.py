@@ -252,7 +252,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, 
             for spec, value in zip(_flat_written(written), new):
                 slot, dtype, view = spec[1], spec[2], spec[4]
                 if dtype == torch.complex32:
-                    value = runtime.fit_to(value.astype(arrays[slot].dtype), dtype)
+                    value = runtime.fit_to(value.astype(jnp.complex64), dtype)
                 arrays[slot] = write_view(arrays[slot], view, value)
             kernel.out_tree = template
             if flag is not None:
