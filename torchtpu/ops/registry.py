@@ -19,6 +19,10 @@ def lower(*ops, random=False):
     bounds, a norm's ord); fn.dynamic_args names float arguments that are
     traced all the same (an optimizer's learning rate).
 
+    fn.process_local = True: its code is not torchtpu's (a user's kernel), so
+    its kernels get no cross-process key and fused graphs holding them are
+    not stored on disk.
+
     fn.result_dtypes(meta_dtypes, *args, **kwargs) -> dtypes, where set,
     corrects the result dtypes PyTorch's meta kernel reports to what its CPU
     kernel returns (args are the op's, tensors still torch tensors)."""
