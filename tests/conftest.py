@@ -109,3 +109,24 @@ def compare(fn, *args, grad=True, atol=None, rtol=None, fallback_ok=False, allow
             before.pop(name, None)
         assert after == before, "ran on the CPU fallback"
     return out_d
+
+
+def visible(excinfo):
+    """The frames pytest (and IPython) show: those not marked hidden."""
+    return [e for e in excinfo.traceback if not e.ishidden(excinfo)]
+
+
+def assert_at_line(excinfo, source, path):
+    """The last shown frame is the line of file `path` holding `source`, and
+    what is left after trimming (the uncaught-exception hook) ends there too;
+    no JAX or lowering frames are kept below the dispatcher."""
+    from torchtpu import errors
+    last = visible(excinfo)[-1]
+    assert str(last.path) == path, [str(e.path) for e in visible(excinfo)]
+    assert source in str(last.statement)
+    tb = errors.trim(excinfo.value.__traceback__)
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_filename == path
+    names = [e.path for e in excinfo.traceback]
+    assert not any("/jax/" in str(n) or "/torchtpu/ops/" in str(n) for n in names)

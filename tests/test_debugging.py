@@ -15,6 +15,8 @@ import torchtpu
 from torchtpu import advisor, errors, metrics
 from torchtpu.ops import LOWERINGS
 
+from conftest import assert_at_line
+
 ALL_MODES = ["debug", "strict", "fused"]
 
 
@@ -57,26 +59,6 @@ LOWERINGS[torch.ops.ttpu_test.host_fail.default] = _host_fail
 
 # ---- helpers ---------------------------------------------------------------
 
-def visible(excinfo):
-    """The frames pytest (and IPython) show: those not marked hidden."""
-    return [e for e in excinfo.traceback if not e.ishidden(excinfo)]
-
-
-def assert_at_line(excinfo, source):
-    """The last shown frame is this file's line holding `source`, and what is
-    left after trimming (the uncaught-exception hook) ends there too."""
-    last = visible(excinfo)[-1]
-    assert str(last.path) == __file__, [str(e.path) for e in visible(excinfo)]
-    assert source in str(last.statement)
-    tb = errors.trim(excinfo.value.__traceback__)
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    assert tb.tb_frame.f_code.co_filename == __file__
-    # No JAX or lowering frames were kept below the dispatcher.
-    names = [e.path for e in excinfo.traceback]
-    assert not any("/jax/" in str(n) or "/torchtpu/ops/" in str(n) for n in names)
-
-
 # ---- errors at the user's line, in every mode ------------------------------
 
 def test_shape_error(any_mode):
@@ -85,14 +67,14 @@ def test_shape_error(any_mode):
         x + y
     # PyTorch's meta kernel's own message (its wording differs from CPU's).
     assert "broadcast" in str(err.value) or "must match" in str(err.value)
-    assert_at_line(err, "x + y")
+    assert_at_line(err, "x + y", __file__)
 
 
 def test_matmul_shape_error(any_mode):
     a = torch.ones(2, 3, device="tpu")
     with pytest.raises(RuntimeError, match=r"cannot be multiplied|same reduction dim") as err:
         a @ a
-    assert_at_line(err, "a @ a")
+    assert_at_line(err, "a @ a", __file__)
 
 
 def test_dtype_error(any_mode):
@@ -100,7 +82,7 @@ def test_dtype_error(any_mode):
     f = torch.ones(3, device="tpu")
     with pytest.raises(RuntimeError, match="can't be cast|not possible") as err:
         i.add_(f)
-    assert_at_line(err, "i.add_(f)")
+    assert_at_line(err, "i.add_(f)", __file__)
 
 
 def test_error_inside_nn_module(any_mode):
@@ -108,7 +90,7 @@ def test_error_inside_nn_module(any_mode):
     with pytest.raises(RuntimeError, match=r"cannot be multiplied|same reduction dim") as err:
         model(torch.ones(3, 5, device="tpu"))
     # torch.nn frames sit between the test and the op: hidden as well.
-    assert_at_line(err, "model(torch.ones(3, 5")
+    assert_at_line(err, "model(torch.ones(3, 5", __file__)
 
 
 def test_lowering_trace_error(any_mode):
@@ -119,7 +101,7 @@ def test_lowering_trace_error(any_mode):
     assert "ttpu_test.bad_trace.default(float32[3])" in msg
     assert "reshape" in msg and "torchtpu bug" in msg
     assert "\n" not in msg
-    assert_at_line(err, "torch.ops.ttpu_test.bad_trace(x)")
+    assert_at_line(err, "torch.ops.ttpu_test.bad_trace(x)", __file__)
 
 
 def test_lowering_depends_on_values(any_mode):
@@ -127,7 +109,7 @@ def test_lowering_depends_on_values(any_mode):
     with pytest.raises(RuntimeError, match="depends on tensor values") as err:
         torch.ops.ttpu_test.value_branch(x)
     assert "ttpu_test.value_branch.default(float64[2, 2])" in str(err.value)
-    assert_at_line(err, "torch.ops.ttpu_test.value_branch(x)")
+    assert_at_line(err, "torch.ops.ttpu_test.value_branch(x)", __file__)
 
 
 def test_device_runtime_error(any_mode):
@@ -140,10 +122,10 @@ def test_device_runtime_error(any_mode):
     assert "ValueError: host check failed" in msg
     if any_mode == "fused":
         assert "a fused graph of 2 ops (aten.ones.default, ttpu_test.host_fail.default)" in msg
-        assert_at_line(err, "y.cpu()")
+        assert_at_line(err, "y.cpu()", __file__)
     else:
         assert "failed on the device" in msg
-        assert_at_line(err, "y = torch.ops.ttpu_test.host_fail(x)")
+        assert_at_line(err, "y = torch.ops.ttpu_test.host_fail(x)", __file__)
 
 
 def test_full_traceback_keeps_frames(monkeypatch):
@@ -189,7 +171,7 @@ def test_nan_check_debug(monkeypatch, debug_mode):
     msg = str(err.value)
     assert "aten.log.default produced NaN or Inf" in msg
     assert f"{__file__}:" in msg
-    assert_at_line(err, "z = torch.log(y)")
+    assert_at_line(err, "z = torch.log(y)", __file__)
 
 
 @pytest.mark.parametrize("mode_name", ["strict", "fused"])
@@ -231,7 +213,8 @@ def test_nan_check_in_a_backward_pass_raises_from_backward(mode_name):
                 y.sum().backward()
                 x.grad.cpu()  # fused mode checks here, at the flush
                 raise AssertionError("no NaN check")
-            assert_at_line(err, "x.grad.cpu()" if mode_name == "fused" else "y.sum().backward()")
+            line = "x.grad.cpu()" if mode_name == "fused" else "y.sum().backward()"
+            assert_at_line(err, line, __file__)
     finally:
         errors.set_check_nans(False)
     x.grad = None
@@ -269,7 +252,7 @@ def test_index_bounds_debug(debug_mode, name, fn):
     assert "10" in str(err.value) and "out of" in str(err.value)
     if name in ("index", "gather", "scatter", "index_select", "embedding"):
         assert "index 10 is out of bounds for dimension 0 with size 5" in str(err.value)
-    assert_at_line(err, f"(\"{name}\", lambda x, i:")  # the lambda is the user code
+    assert_at_line(err, f"(\"{name}\", lambda x, i:", __file__)  # the lambda is the user code
     # In range: no error, same values as CPU.
     ok = torch.tensor([4, 0, 2])
     torch.testing.assert_close(fn(torch.arange(5.0).to("tpu"), ok.to("tpu")).cpu(),

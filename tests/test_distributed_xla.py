@@ -2,14 +2,10 @@
 processes started with torchrun's environment (so jax.distributed joins
 them), each collective and ReduceOp on tpu tensors against the same
 collective through gloo on CPU tensors in the same processes."""
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from processes import run_ranks
 
 WORKER = textwrap.dedent("""\
     import datetime, json, sys, warnings
@@ -295,35 +291,10 @@ WORKER = textwrap.dedent("""\
 """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Each rank's report from one run of WORKER in two processes."""
-    tmp_path = tmp_path_factory.mktemp("xla")
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    base = dict(os.environ, TORCHTPU_CACHE_DIR="off", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()), TORCHTPU_COORDINATOR_PORT=str(_free_port()),
-                WORLD_SIZE="2")
-    base.pop("TORCHTPU_DISTRIBUTED", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(outs[r])],
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log
-    return [json.load(open(out)) for out in outs]
+    return run_ranks(tmp_path_factory.mktemp("xla"), WORKER, 2)
 
 
 def test_collectives_on_xla_match_gloo_across_two_processes(results):

@@ -3,15 +3,11 @@ on tpu tensors, in processes started with torchrun's environment (two; four
 for a 2-D mesh): the functional collectives against the same calls through
 gloo on CPU tensors, and each training run against a single process
 training on the whole batch on CPU."""
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from processes import run_ranks
 
 # What both workers share: set-up, comparisons, the model and its training
 # on one CPU process.
@@ -292,38 +288,9 @@ WORKER_2D = COMMON + textwrap.dedent("""\
 """) + END
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(tmp_path, worker, n):
-    """Each rank's report from one run of worker in n processes."""
-    script = tmp_path / "worker.py"
-    script.write_text(worker)
-    outs = [tmp_path / f"rank{r}.json" for r in range(n)]
-    base = dict(os.environ, TORCHTPU_CACHE_DIR="off", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()), TORCHTPU_COORDINATOR_PORT=str(_free_port()),
-                WORLD_SIZE=str(n))
-    base.pop("TORCHTPU_DISTRIBUTED", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(outs[r])],
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(n)]
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log
-    return [json.load(open(out)) for out in outs]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("fsdp_tp"), WORKER, 2)
+    return run_ranks(tmp_path_factory.mktemp("fsdp_tp"), WORKER, 2)
 
 
 def _section(results, name):
@@ -365,7 +332,7 @@ def test_sequence_parallel_forward_and_backward_as_on_cpu(results):
 
 
 def test_fsdp2_and_tp_on_a_2d_mesh_of_four_processes(tmp_path):
-    results = _run(tmp_path, WORKER_2D, 4)
+    results = run_ranks(tmp_path, WORKER_2D, 4)
     _section(results, "fsdp_tp_2d")
     for r in results:
         assert r["training_fallbacks"] == {}

@@ -1,0 +1,38 @@
+"""Running a worker script as the ranks of a torch.distributed job on
+localhost, as torchrun starts them: each rank's JSON report, or the failing
+rank's log."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path, worker, n, timeout=300):
+    """worker (a script's text, taking its report's path as argv[1]) run in n
+    processes; their reports, in rank order."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    outs = [tmp_path / f"rank{r}.json" for r in range(n)]
+    base = dict(os.environ, TORCHTPU_CACHE_DIR="off", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(free_port()), TORCHTPU_COORDINATOR_PORT=str(free_port()),
+                WORLD_SIZE=str(n))
+    base.pop("TORCHTPU_DISTRIBUTED", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(outs[r])],
+                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(n)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log
+    return [json.load(open(out)) for out in outs]
