@@ -26,6 +26,7 @@ import torchtpu  # noqa: E402
 from amp import amp_training_steps  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
 from compiled_hf import compiled_hf_step  # noqa: E402
+from distributed import all_reduce_bandwidth, ddp_step  # noqa: E402
 from common import table  # noqa: E402
 from fused import training_steps  # noqa: E402
 from index_check import index_check  # noqa: E402
@@ -41,7 +42,8 @@ BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
               "amp_training_steps": amp_training_steps,
               "compiled_hf_step": compiled_hf_step,
               "cache_warm_start": cache_warm_start, "transfers": transfers,
-              "index_check": index_check, "fused_adamw": fused_adamw}
+              "index_check": index_check, "fused_adamw": fused_adamw,
+              "all_reduce_bandwidth": all_reduce_bandwidth, "ddp_step": ddp_step}
 
 
 # ---- output -------------------------------------------------------------------
