@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import memory, properties, runtime, streams
+from . import graphs, memory, properties, runtime, streams
 from .ops import random as _random
 from .streams import synchronize
 
@@ -59,6 +59,8 @@ def _module():
         setattr(mod, name, getattr(memory, name))
     for name in streams.NAMES:
         setattr(mod, name, getattr(streams, name))
+    for name in graphs.NAMES:
+        setattr(mod, name, getattr(graphs, name))
     return mod
 
 

@@ -1,0 +1,190 @@
+"""capture: the executor of graph capture (torch.tpu.graph). It records every
+op of the captured region into one fused graph, as fused mode does, but never
+flushes: a sync point inside capture (a value read on the host, printing, a
+value-dependent shape, a CPU fallback, synchronize) raises, as CUDA raises
+when a capturing stream is synchronized.
+
+finish() turns the recording into a CapturedGraph: one compiled function
+over the storages the region read, whose results are the new values of the
+storages it wrote or created that are still alive. Nothing of the region
+runs at capture (CUDA's capture does not run the work either): written
+storages keep the values they had before it, and storages it created hold
+zeros until the first replay.
+
+Random ops: each one's (seed, offset) is a dynamic scalar of the graph;
+replay draws fresh ones from the device generator, in the order the region
+drew them, so every replay advances the generator as running the region
+eagerly would, and gives the same numbers as that eager run.
+"""
+import sys
+
+import jax.numpy as jnp
+
+from .. import metrics, runtime
+from ..ops import random as rng
+from ..tensor import Lost, Pending, Storage
+from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _user_line
+
+
+class CaptureSyncError(RuntimeError):
+    """A sync point was reached while capturing (the capture is invalid)."""
+
+
+def _sync_error(what):
+    return CaptureSyncError(
+        f"torchtpu: {what} at {_user_line()} is a sync point, which is not allowed while "
+        "capturing a tpu graph (operation not permitted when stream is capturing): "
+        "move it out of the torch.tpu.graph block")
+
+
+class CaptureExecutor(FusedExecutor):
+    name = "capture"
+
+    def __init__(self):
+        super().__init__()
+        self._limit = float("inf")  # the whole region is one graph
+        self._rng_offset = rng._state["offset"]
+        self._rng_seed = rng._state["seed"]
+        self.random_scalars = []  # (seed position, offset position) in the graph's scalars
+        self.failed = None        # the first error that invalidated the capture
+
+    def run(self, kernel, flat, storages):
+        if self.failed is not None:
+            raise RuntimeError("torchtpu: this graph capture is invalid (an earlier error: "
+                               f"{self.failed}); leave the torch.tpu.graph block")
+        if kernel.bound is not None:
+            self._fail(RuntimeError(
+                f"torchtpu: {kernel.name} at {_user_line()} checks its indices on the device, "
+                "which graph capture does not support yet (capture it with "
+                "TORCHTPU_INDEX_CHECKS=0, unchecked, or keep it outside the graph)"))
+        offset = rng._state["offset"]
+        drew = offset != self._rng_offset
+        if drew:
+            # The dispatcher appends a random op's (seed, offset) last.
+            n_scalars = len(flat) - len(storages)
+            if (offset != self._rng_offset + 1 or rng._state["seed"] != self._rng_seed
+                    or n_scalars < 2 or flat[-1] != offset - 1 or flat[-2] != self._rng_seed):
+                self._fail(RuntimeError(
+                    f"torchtpu: the random op {kernel.name} at {_user_line()} draws from the "
+                    "generator in a way graph replay cannot repeat (a seed set inside "
+                    "capture, or a key taken outside its kernel)"))
+            self._rng_offset = offset
+        result = super().run(kernel, flat, storages)
+        if drew:
+            n = len(self._graph.scalars)
+            self.random_scalars.append((n - 2, n - 1))
+        return result
+
+    def _fail(self, error):
+        if self.failed is None:
+            self.failed = error
+        raise error
+
+    def concrete(self, storage):
+        metrics.take_sync_reason(None)
+        self._fail(_sync_error("reading a tensor's value on the host"))
+
+    def sync(self):
+        reason = metrics.take_sync_reason("sync")
+        self._fail(_sync_error(f"a sync ({reason})"))
+
+    def flush(self, reason):
+        # Reached for a dependency across devices: a capture runs on one.
+        self._fail(_sync_error(f"a flush ({reason}: ops on two devices)"))
+
+    # -- the end of capture ---------------------------------------------------
+    def finish(self):
+        """The CapturedGraph of what was recorded; written storages get back
+        the values they had before capture, created ones zeros."""
+        g = self._graph
+        self._graph = _Graph()
+        live = []
+        owners = {}
+        for p in g.outputs:
+            owner = p.owner() if p.owner is not None else None
+            if owner is not None and owner.array is p:
+                live.append((p, owner))
+        input_storages = []
+        for i, ref in enumerate(g.input_owners):
+            s = ref()
+            if s is None:
+                # Nothing holds it any more: what the region read is a constant.
+                s = Storage(g.inputs[i], g.device)
+            input_storages.append(s)
+            owners[id(s)] = i
+        donate = tuple(False for _ in g.inputs)
+        written = {id(owner) for _, owner in live}
+        mask = [id(s) in written and (s.array.shape, s.array.dtype) == (x.shape, x.dtype)
+                for s, x in zip(input_storages, g.inputs)]
+        if any(mask):
+            donate = tuple(mask)
+            live = _donation_order(g, live, donate)
+        live_refs = tuple(p.ref for p, _ in live)
+        run = _build_graph(g, live_refs, donate if any(donate) else None) if g.nodes else None
+        device = runtime.DEVICES[g.device]
+        for p, owner in live:
+            i = owners.get(id(owner))
+            if i is not None:
+                owner.array = g.inputs[i]
+            else:
+                owner.array = jnp.zeros(p.shape, p.dtype, device=device)
+        return CapturedGraph(run, input_storages, [owner for _, owner in live], donate,
+                             list(g.scalars), self.random_scalars, len(g.nodes))
+
+    def abandon(self, error):
+        """A failed capture: written storages get back their values, the ones
+        it created are lost (reading them raises error)."""
+        g = self._graph
+        self._graph = _Graph()
+        originals = {}
+        for i, ref in enumerate(g.input_owners):
+            s = ref()
+            if s is not None:
+                originals[id(s)] = g.inputs[i]
+        for p in g.outputs:
+            owner = p.owner() if p.owner is not None else None
+            if owner is not None and owner.array is p:
+                original = originals.get(id(owner))
+                owner.array = original if original is not None else Lost(error, p.shape, p.dtype)
+
+
+class CapturedGraph:
+    """A captured region as one compiled call over storages."""
+
+    def __init__(self, run, inputs, outputs, donate, scalars, random_scalars, n_ops):
+        self._run = run
+        self.inputs = inputs      # the storages read, in the graph's input order
+        self.outputs = outputs    # the storages written or created, in its output order
+        self._donated = [i for i, d in enumerate(donate) if d]
+        self._scalars = scalars
+        self._random = random_scalars
+        self.n_ops = n_ops
+
+    def replay(self, flush):
+        """Run the graph on the storages' current values; write the results
+        into the same storages. flush(reason) issues the current executor's
+        recorded ops (fused mode), called when an input is still pending.
+        Returns the result arrays."""
+        if self._run is None:
+            return []
+        if any(type(s.array) is Pending for s in self.inputs):
+            flush("graph_replay")
+        arrays = [s.array for s in self.inputs]
+        for storage in self.inputs:
+            if type(storage.array) is Lost:
+                storage.array.fail()
+        for i in self._donated:
+            # Another holder (a second storage, the last issued results) would
+            # see a donated buffer vanish: give the graph a copy instead.
+            if sys.getrefcount(arrays[i]) > 3:
+                arrays[i] = jnp.copy(arrays[i])
+        scalars = self._scalars
+        if self._random:
+            scalars = list(scalars)
+            for seed_at, offset_at in self._random:
+                scalars[seed_at], scalars[offset_at] = rng.next_key()
+        results = self._run(arrays, scalars)
+        del arrays
+        for storage, value in zip(self.outputs, results):
+            storage.array = value
+        return results
