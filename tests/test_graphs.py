@@ -1,0 +1,194 @@
+"""Graph capture and replay (torch.tpu.TPUGraph, torch.tpu.graph): a captured
+training step replayed on new data trains as CPU eager does; a sync inside
+capture raises at the user's line; replay dispatches no op."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu
+from torchtpu import metrics
+
+from conftest import assert_at_line, assert_same, to_cpu
+
+STEPS = 5
+WARMUP = 3
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _data(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(n)]
+
+
+OPTIMIZERS = {
+    "sgd": lambda params, tpu: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    # CUDA graphs need capturable=True for Adam(W): its step counts stay on the device.
+    "adamw": lambda params, tpu: torch.optim.AdamW(params, lr=0.01, capturable=tpu),
+}
+
+
+def _step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_replayed_training_step_trains_as_cpu(mode, optimizer):
+    data = _data(WARMUP + STEPS)
+    cpu = _mlp()
+    model = _mlp().to("tpu")
+    cpu_opt = OPTIMIZERS[optimizer](cpu.parameters(), False)
+    opt = OPTIMIZERS[optimizer](model.parameters(), True)
+    static_x, static_y = data[0][0].to("tpu"), data[0][1].to("tpu")
+    # Warm-up, as CUDA scripts do before capture (on a side stream there).
+    for x, y in data[:WARMUP]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        opt.zero_grad(set_to_none=True)
+        _step(model, opt, static_x, static_y)
+        cpu_opt.zero_grad(set_to_none=True)
+        _step(cpu, cpu_opt, x, y)
+    g = torch.tpu.TPUGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.tpu.graph(g):
+        static_loss = _step(model, opt, static_x, static_y)
+    # Capture records the step without running it, as on CUDA.
+    for p, q in zip(model.parameters(), cpu.parameters()):
+        assert_same(p, q, rtol=1e-5, atol=1e-6)
+    assert torchtpu.get_eager_mode() == mode
+    for x, y in data[WARMUP:]:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        g.replay()
+        cpu_opt.zero_grad(set_to_none=True)
+        cpu_loss = _step(cpu, cpu_opt, x, y)
+        assert_same(static_loss.detach(), cpu_loss.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), cpu.parameters()):
+        assert_same(p, q, rtol=1e-5, atol=1e-6)
+        assert_same(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    for state, cpu_state in zip(opt.state.values(), cpu_opt.state.values()):
+        for name, value in cpu_state.items():
+            if name != "step":
+                assert_same(state[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_capture_gives_cpu_result(mode):
+    cpu = _mlp()
+    model = _mlp().to("tpu")
+    static_x = torch.zeros(4, 6, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.no_grad(), torch.tpu.graph(g):
+        static_out = model(static_x).softmax(-1)
+    assert static_out.shape == (4, 3) and static_out.dtype == torch.float32
+    for x, _ in _data(3):
+        static_x.copy_(x)
+        g.replay()
+        with torch.no_grad():
+            assert_same(static_out, cpu(x).softmax(-1), rtol=1e-5, atol=1e-6)
+
+
+def test_replay_dispatches_no_op():
+    model = _mlp().to("tpu")
+    static_x = torch.zeros(4, 6, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        static_out = model(static_x).sum()
+        static_out.backward()
+    metrics.reset()
+    for _ in range(3):
+        g.replay()
+    assert metrics.M.ops_dispatched == 0
+    assert metrics.M.extra["graph_replays"] == 3
+    expected = [p.grad.clone() for p in model.parameters()]  # ops on replay's results
+    assert metrics.M.ops_dispatched > 0
+    cpu = _mlp()
+    cpu(torch.zeros(4, 6)).sum().backward()
+    for got, q in zip(expected, cpu.parameters()):
+        assert_same(got, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sync", ["item", "print", "cpu", "nonzero", "synchronize"])
+def test_sync_inside_capture_raises_at_the_users_line(sync, capsys):
+    model = _mlp().to("tpu")
+    weight = model[0].weight
+    before = to_cpu(weight)
+    static_x = torch.ones(4, 6, device="tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.tpu.TPUGraph()
+    with pytest.raises(RuntimeError, match="capturing") as excinfo:
+        with torch.tpu.graph(g):
+            loss = model(static_x).sum()
+            loss.backward()
+            opt.step()
+            if sync == "item":
+                loss.item()  # the sync
+            elif sync == "print":
+                print(loss)  # the sync
+            elif sync == "cpu":
+                loss.cpu()  # the sync
+            elif sync == "nonzero":
+                torch.nonzero(static_x)  # the sync
+            else:
+                torch.tpu.synchronize()  # the sync
+    assert __file__ in str(excinfo.value)
+    if sync != "synchronize":
+        assert_at_line(excinfo, "# the sync", __file__)
+    # The capture is abandoned: the mode is back, the parameters as before.
+    assert torchtpu.get_eager_mode() in ("debug", "strict", "fused")
+    assert_same(weight.detach(), before)
+    with pytest.raises(RuntimeError, match="holds no capture"):
+        g.replay()
+
+
+def test_adam_without_capturable_refuses_capture():
+    model = _mlp().to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.ones(4, 6, device="tpu")
+    _step(model, opt, x, torch.zeros(4, 3, device="tpu"))
+    g = torch.tpu.TPUGraph()
+    with pytest.raises(RuntimeError, match="capturable is False"):
+        with torch.tpu.graph(g):
+            model(x).sum().backward()
+            opt.step()
+
+
+def test_replay_draws_fresh_random_numbers_as_eager_does(mode):
+    static_x = torch.ones(64, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        static_out = F.dropout(static_x, 0.5) + torch.rand(64, device="tpu")
+    torch.manual_seed(7)
+    eager = [to_cpu(F.dropout(static_x, 0.5) + torch.rand(64, device="tpu")) for _ in range(2)]
+    torch.manual_seed(7)
+    replayed = []
+    for _ in range(2):
+        g.replay()
+        replayed.append(to_cpu(static_out))
+    assert not torch.equal(replayed[0], replayed[1])
+    for got, want in zip(replayed, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Values a dropout of p=0.5 and a uniform draw can make.
+    assert ((replayed[0] < 1) | ((replayed[0] >= 2) & (replayed[0] < 3))).all()
+
+
+def test_reset_and_recapture():
+    static_x = torch.ones(3, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        out = static_x * 2
+    with pytest.raises(RuntimeError, match="reset"):
+        with torch.tpu.graph(g):
+            pass
+    g.reset()
+    with torch.tpu.graph(g):
+        out2 = static_x + 5
+    g.replay()
+    assert_same(out2, torch.full((3,), 6.0))
+    assert not torch.tpu.is_current_stream_capturing()
+    assert out.shape == (3,)
