@@ -1,6 +1,7 @@
 """Graph capture and replay (torch.tpu.TPUGraph, torch.tpu.graph): a captured
 training step replayed on new data trains as CPU eager does; a sync inside
 capture raises at the user's line; replay dispatches no op."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -192,3 +193,28 @@ def test_reset_and_recapture():
     assert_same(out2, torch.full((3,), 6.0))
     assert not torch.tpu.is_current_stream_capturing()
     assert out.shape == (3,)
+
+
+def test_replay_updates_parameters_in_their_buffers():
+    model = torch.nn.Linear(8, 8).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.ones(2, 8, device="tpu")
+    model(x).sum().backward()
+    opt.step()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        model(x).sum().backward()
+        opt.step()
+    g.replay()
+    before = to_cpu(model.weight)
+    pointer = model.weight._storage.array.unsafe_buffer_pointer()
+    g.replay()
+    # Donated: XLA wrote the new weight over the old one.
+    assert model.weight._storage.array.unsafe_buffer_pointer() == pointer
+    assert not torch.equal(to_cpu(model.weight), before)
+    # A second holder of a donated buffer keeps its value.
+    alias = model.weight._storage.array
+    kept = to_cpu(model.weight)
+    g.replay()
+    assert not alias.is_deleted()
+    torch.testing.assert_close(torch.tensor(np.asarray(alias)), kept)
