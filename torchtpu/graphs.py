@@ -152,6 +152,88 @@ def _install_optimizer_check():
     Optimizer._accelerator_graph_capture_health_check = check
 
 
-NAMES = ("TPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing")
+def make_graphed_callables(callables, sample_args, num_warmup_iters=3, allow_unused_input=False,
+                           pool=None):
+    """torch.cuda.make_graphed_callables for tpu: each callable (a function
+    or an nn.Module) becomes one whose forward and backward are each a
+    replayed graph, captured after num_warmup_iters eager runs on
+    sample_args (a tuple of tensors per callable)."""
+    just_one = not isinstance(callables, tuple)
+    if just_one:
+        callables, sample_args = (callables,), (sample_args,)
+    graphed = tuple(_graphed(fn, tuple(args), num_warmup_iters, allow_unused_input)
+                    for fn, args in zip(callables, sample_args))
+    return graphed[0] if just_one else graphed
+
+
+def _graphed(fn, args, num_warmup_iters, allow_unused_input):
+    import torch
+    if not all(isinstance(a, torch.Tensor) for a in args):
+        raise TypeError("In the beta API, sample_args for each callable must contain only Tensors. "
+                        "Other types are not allowed.")
+    module = fn if isinstance(fn, torch.nn.Module) else None
+    params = tuple(module.parameters()) if module is not None else ()
+    static_inputs = args + params
+    grad_inputs_of = [t for t in static_inputs if t.requires_grad]
+
+    def backward_of(outputs, grad_outputs):
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+        if not pairs or not grad_inputs_of:
+            return ()
+        return torch.autograd.grad([o for o, _ in pairs], grad_inputs_of, [g for _, g in pairs],
+                                   allow_unused=allow_unused_input)
+
+    def flat_outputs(out):
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+    for _ in range(num_warmup_iters):
+        outs = flat_outputs(fn(*args))
+        backward_of(outs, [torch.ones_like(o) for o in outs])
+    del outs
+    forward = TPUGraph()
+    with graph(forward):
+        out = fn(*args)
+    static_outputs = flat_outputs(out)
+    static_grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in static_outputs]
+    backward = TPUGraph()
+    with graph(backward):
+        grads = iter(backward_of(static_outputs, static_grad_outputs))
+    static_grad_inputs = [next(grads) if t.requires_grad else None for t in static_inputs]
+    n_args = len(args)
+
+    class Graphed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            for static, given in zip(static_inputs[:n_args], inputs[:n_args]):
+                if given is not static:
+                    static.copy_(given)
+            forward.replay()
+            return tuple(o.detach() for o in static_outputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grad_outputs):
+            for static, given in zip(static_grad_outputs, grad_outputs):
+                if static is not None and given is not None:
+                    static.copy_(given)
+            backward.replay()
+            # Copies: autograd may keep a returned gradient as .grad, and the
+            # next replay writes the captured storages again.
+            return tuple(g.clone() if g is not None else None for g in static_grad_inputs)
+
+    def functional(*user_args):
+        if len(user_args) != n_args:
+            raise TypeError(f"the graphed callable takes {n_args} tensors, got {len(user_args)}")
+        outs = Graphed.apply(*(tuple(user_args) + params))
+        return outs[0] if isinstance(out, torch.Tensor) else outs
+
+    if module is None:
+        return functional
+    module.forward = functional
+    return module
+
+
+NAMES = ("TPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing",
+         "make_graphed_callables")
 
 __all__ = list(NAMES)
