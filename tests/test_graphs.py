@@ -255,3 +255,74 @@ def test_make_graphed_function_forward_matches_cpu():
     for x, _ in _data(2):
         torch.tanh(x @ wc).sum().backward()
     assert_same(wt.grad, wc.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_checked_indexing_op_refuses_capture_at_the_users_line():
+    x = torch.randn(4, 5, device="tpu")
+    target = torch.tensor([0, 1, 2, 3], device="tpu")
+    g = torch.tpu.TPUGraph()
+    with pytest.raises(RuntimeError, match="TORCHTPU_INDEX_CHECKS=0") as excinfo:
+        with torch.tpu.graph(g):
+            F.cross_entropy(x, target)  # the checked op
+    assert_at_line(excinfo, "# the checked op", __file__)
+
+
+@pytest.fixture
+def unchecked_indices():
+    from torchtpu import bounds
+    bounds.set_enabled(False)
+    yield
+    bounds.set_enabled(True)
+
+
+class _Decoder(torch.nn.Module):
+    """One token per call against a static key/value cache at a tensor position."""
+
+    def __init__(self, vocab=11, dim=8, length=6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.position = torch.nn.Embedding(length, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.head = torch.nn.Linear(dim, vocab)
+        self.length = length
+
+    def step(self, token, pos, k_cache, v_cache):
+        h = self.embed(token) + self.position(pos)  # (1, dim)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        k_cache.index_copy_(0, pos, k)
+        v_cache.index_copy_(0, pos, v)
+        visible = torch.arange(self.length, device=pos.device) <= pos
+        scores = (q @ k_cache.T).masked_fill(~visible, float("-inf"))
+        h = h + scores.softmax(-1) @ v_cache
+        next_token = self.head(h).argmax(-1)
+        token.copy_(next_token)
+        pos.add_(1)
+        return next_token
+
+
+def test_replayed_greedy_decode_with_static_cache_gives_cpu_tokens(mode, unchecked_indices):
+    def run(device, replay):
+        model = _Decoder().to(device)
+        token = torch.tensor([3], device=device)
+        pos = torch.tensor([0], device=device)
+        k_cache = torch.zeros(model.length, 8, device=device)
+        v_cache = torch.zeros(model.length, 8, device=device)
+        tokens = []
+        with torch.no_grad():
+            if not replay:
+                for _ in range(model.length):
+                    tokens.append(int(model.step(token, pos, k_cache, v_cache)))
+                return tokens
+            g = torch.tpu.TPUGraph()
+            with torch.tpu.graph(g):
+                static_next = model.step(token, pos, k_cache, v_cache)
+            for _ in range(model.length):
+                g.replay()
+                tokens.append(int(static_next))
+        assert int(pos) == model.length
+        return tokens
+
+    expected = run("cpu", replay=False)
+    assert len(set(expected)) > 2  # the tokens depend on the cache and the position
+    assert run("tpu", replay=True) == expected
