@@ -326,3 +326,19 @@ def test_replayed_greedy_decode_with_static_cache_gives_cpu_tokens(mode, uncheck
     expected = run("cpu", replay=False)
     assert len(set(expected)) > 2  # the tokens depend on the cache and the position
     assert run("tpu", replay=True) == expected
+
+
+def test_graph_keeps_reading_the_storage_it_captured():
+    static_x = torch.ones(4, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        out = static_x * 2
+    static_x.copy_(torch.arange(4.0))
+    g.replay()
+    assert_same(out, torch.arange(4.0) * 2)
+    # As on CUDA: a tensor given a new storage (resize_ growing it) is no
+    # longer what the graph reads; the graph holds the one it captured.
+    static_x.resize_(16)
+    static_x.fill_(5.0)
+    g.replay()
+    assert_same(out, torch.arange(4.0) * 2)

@@ -129,7 +129,8 @@ class CaptureExecutor(FusedExecutor):
             else:
                 owner.array = jnp.zeros(p.shape, p.dtype, device=device)
         return CapturedGraph(run, input_storages, [owner for _, owner in live], donate,
-                             list(g.scalars), self.random_scalars, len(g.nodes))
+                             list(g.scalars), self.random_scalars, len(g.nodes),
+                             [(x.shape, x.dtype) for x in g.inputs])
 
     def abandon(self, error):
         """A failed capture: written storages get back their values, the ones
@@ -151,8 +152,9 @@ class CaptureExecutor(FusedExecutor):
 class CapturedGraph:
     """A captured region as one compiled call over storages."""
 
-    def __init__(self, run, inputs, outputs, donate, scalars, random_scalars, n_ops):
+    def __init__(self, run, inputs, outputs, donate, scalars, random_scalars, n_ops, kinds):
         self._run = run
+        self._kinds = kinds       # each input's (shape, dtype) at capture
         self.inputs = inputs      # the storages read, in the graph's input order
         self.outputs = outputs    # the storages written or created, in its output order
         self._donated = [i for i, d in enumerate(donate) if d]
@@ -170,9 +172,14 @@ class CapturedGraph:
         if any(type(s.array) is Pending for s in self.inputs):
             flush("graph_replay")
         arrays = [s.array for s in self.inputs]
-        for storage in self.inputs:
-            if type(storage.array) is Lost:
-                storage.array.fail()
+        for a, kind in zip(arrays, self._kinds):
+            if type(a) is Lost:
+                a.fail()
+            if (a.shape, a.dtype) != kind:
+                raise RuntimeError(f"torchtpu: a captured tensor's storage is now {a.dtype}"
+                                   f"{list(a.shape)}, it was {kind[1]}{list(kind[0])} at capture: "
+                                   "capture the graph again (reset() it first)")
+        a = None
         for i in self._donated:
             # Another holder (a second storage, the last issued results) would
             # see a donated buffer vanish: give the graph a copy instead.
