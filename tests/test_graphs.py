@@ -257,24 +257,6 @@ def test_make_graphed_function_forward_matches_cpu():
     assert_same(wt.grad, wc.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_checked_indexing_op_refuses_capture_at_the_users_line():
-    x = torch.randn(4, 5, device="tpu")
-    target = torch.tensor([0, 1, 2, 3], device="tpu")
-    g = torch.tpu.TPUGraph()
-    with pytest.raises(RuntimeError, match="TORCHTPU_INDEX_CHECKS=0") as excinfo:
-        with torch.tpu.graph(g):
-            F.cross_entropy(x, target)  # the checked op
-    assert_at_line(excinfo, "# the checked op", __file__)
-
-
-@pytest.fixture
-def unchecked_indices():
-    from torchtpu import bounds
-    bounds.set_enabled(False)
-    yield
-    bounds.set_enabled(True)
-
-
 class _Decoder(torch.nn.Module):
     """One token per call against a static key/value cache at a tensor position."""
 
@@ -301,7 +283,7 @@ class _Decoder(torch.nn.Module):
         return next_token
 
 
-def test_replayed_greedy_decode_with_static_cache_gives_cpu_tokens(mode, unchecked_indices):
+def test_replayed_greedy_decode_with_static_cache_gives_cpu_tokens(mode):
     def run(device, replay):
         model = _Decoder().to(device)
         token = torch.tensor([3], device=device)
@@ -342,3 +324,30 @@ def test_graph_keeps_reading_the_storage_it_captured():
     static_x.fill_(5.0)
     g.replay()
     assert_same(out, torch.arange(4.0) * 2)
+
+
+def test_out_of_range_index_in_replay_raises_at_the_next_sync():
+    table = torch.randn(5, 3)
+    static_index = torch.tensor([0, 4], device="tpu")
+    tpu_table = table.to("tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        rows = tpu_table.index_select(0, static_index)  # the indexing op
+        total = rows.sum()
+    g.replay()
+    assert_same(rows, table.index_select(0, torch.tensor([0, 4])))
+    static_index.copy_(torch.tensor([1, 2]))
+    g.replay()
+    assert_same(total, table[1:3].sum())
+    static_index.copy_(torch.tensor([1, 5]))
+    g.replay()
+    with pytest.raises(IndexError, match="index_select") as excinfo:
+        total.item()
+    assert f"{__file__}:" in str(excinfo.value)
+    line = next(i for i, text in enumerate(open(__file__), 1) if "# the indexing op" in text)
+    assert f":{line})" in str(excinfo.value)
+    with pytest.raises(RuntimeError, match="no value"):
+        total.item()  # what the bad op fed stays lost
+    static_index.copy_(torch.tensor([3, 0]))
+    g.replay()
+    assert_same(total, table[[3, 0]].sum())

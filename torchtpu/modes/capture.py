@@ -20,7 +20,7 @@ import sys
 
 import jax.numpy as jnp
 
-from .. import metrics, runtime
+from .. import bounds, metrics, runtime
 from ..ops import random as rng
 from ..tensor import Lost, Pending, Storage
 from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _user_line
@@ -47,16 +47,13 @@ class CaptureExecutor(FusedExecutor):
         self._rng_seed = rng._state["seed"]
         self.random_scalars = []  # (seed position, offset position) in the graph's scalars
         self.failed = None        # the first error that invalidated the capture
+        # Where the checks of the captured indexing ops start in bounds' record.
+        self._checks_start = len(bounds._unread)
 
     def run(self, kernel, flat, storages):
         if self.failed is not None:
             raise RuntimeError("torchtpu: this graph capture is invalid (an earlier error: "
                                f"{self.failed}); leave the torch.tpu.graph block")
-        if kernel.bound is not None:
-            self._fail(RuntimeError(
-                f"torchtpu: {kernel.name} at {_user_line()} checks its indices on the device, "
-                "which graph capture does not support yet (capture it with "
-                "TORCHTPU_INDEX_CHECKS=0, unchecked, or keep it outside the graph)"))
         offset = rng._state["offset"]
         drew = offset != self._rng_offset
         if drew:
@@ -121,6 +118,7 @@ class CaptureExecutor(FusedExecutor):
             live = _donation_order(g, live, donate)
         live_refs = tuple(p.ref for p, _ in live)
         run = _build_graph(g, live_refs, donate if any(donate) else None) if g.nodes else None
+        checks = list(bounds._unread[self._checks_start:])
         device = runtime.DEVICES[g.device]
         for p, owner in live:
             i = owners.get(id(owner))
@@ -128,9 +126,12 @@ class CaptureExecutor(FusedExecutor):
                 owner.array = g.inputs[i]
             else:
                 owner.array = jnp.zeros(p.shape, p.dtype, device=device)
+        # The captured checks did not run: drop their record (the flag is
+        # back to what it was, clear).
+        bounds.check()
         return CapturedGraph(run, input_storages, [owner for _, owner in live], donate,
                              list(g.scalars), self.random_scalars, len(g.nodes),
-                             [(x.shape, x.dtype) for x in g.inputs])
+                             [(x.shape, x.dtype) for x in g.inputs], checks, g.device)
 
     def abandon(self, error):
         """A failed capture: written storages get back their values, the ones
@@ -147,13 +148,17 @@ class CaptureExecutor(FusedExecutor):
             if owner is not None and owner.array is p:
                 original = originals.get(id(owner))
                 owner.array = original if original is not None else Lost(error, p.shape, p.dtype)
+        bounds.check()
 
 
 class CapturedGraph:
     """A captured region as one compiled call over storages."""
 
-    def __init__(self, run, inputs, outputs, donate, scalars, random_scalars, n_ops, kinds):
+    def __init__(self, run, inputs, outputs, donate, scalars, random_scalars, n_ops, kinds,
+                 checks, device):
         self._run = run
+        self._checks = checks     # bounds' record of each captured indexing op
+        self._device = device
         self._kinds = kinds       # each input's (shape, dtype) at capture
         self.inputs = inputs      # the storages read, in the graph's input order
         self.outputs = outputs    # the storages written or created, in its output order
@@ -194,4 +199,19 @@ class CapturedGraph:
         del arrays
         for storage, value in zip(self.outputs, results):
             storage.array = value
+        if self._checks:
+            self._note_checks()
         return results
+
+    def _note_checks(self):
+        """The replay merged its indexing ops' checks into the device's
+        running flag (one of the outputs): tell bounds, so that the next sync
+        point reads it and an out-of-range index raises, naming the op and
+        its line in the captured code."""
+        flag = bounds.flag_input(False, self._device)
+        # What depends on the checks: the results, but for the flag itself.
+        produced = [s for s in self.outputs if s is not flag]
+        for c in self._checks:
+            bounds.note(c.bound, c.func, flag.array, self.inputs, produced,
+                        sys._getframe(), self._device)
+            bounds._unread[-1].where = c.where
