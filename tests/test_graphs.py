@@ -351,3 +351,44 @@ def test_out_of_range_index_in_replay_raises_at_the_next_sync():
     static_index.copy_(torch.tensor([3, 0]))
     g.replay()
     assert_same(total, table[[3, 0]].sum())
+
+
+def test_replay_with_nan_checks_raises_on_a_nan():
+    from torchtpu import errors
+    static_x = torch.ones(3, device="tpu")
+    errors.set_check_nans(True)
+    try:
+        g = torch.tpu.TPUGraph()
+        with torch.tpu.graph(g):
+            out = static_x.log()
+        g.replay()
+        assert_same(out, torch.zeros(3))
+        assert not errors.FUSED_LINES  # nothing of the capture left for fused mode
+        static_x.copy_(torch.tensor([1.0, -1.0, 1.0]))
+        with pytest.raises(RuntimeError, match="NaN or Inf"):
+            g.replay()
+    finally:
+        errors.set_check_nans(False)
+
+
+def test_replayed_cross_entropy_step_trains_as_cpu():
+    data = [(x, (y.abs() * 3).long().clamp(max=2)[:, 0]) for x, y in _data(4)]
+    cpu = _mlp()
+    model = _mlp().to("tpu")
+    cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    static_x, static_y = data[0][0].to("tpu"), data[0][1].to("tpu")
+    g = torch.tpu.TPUGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.tpu.graph(g):
+        F.cross_entropy(model(static_x), static_y).backward()
+        opt.step()
+    for x, y in data:
+        static_x.copy_(x)
+        static_y.copy_(y)
+        g.replay()
+        cpu_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(cpu(x), y).backward()
+        cpu_opt.step()
+    for p, q in zip(model.parameters(), cpu.parameters()):
+        assert_same(p, q, rtol=1e-5, atol=1e-6)

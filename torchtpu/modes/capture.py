@@ -20,7 +20,8 @@ import sys
 
 import jax.numpy as jnp
 
-from .. import bounds, metrics, runtime
+from .. import bounds, errors, metrics, runtime
+from . import checks as value_checks
 from ..ops import random as rng
 from ..tensor import Lost, Pending, Storage
 from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _user_line
@@ -49,6 +50,8 @@ class CaptureExecutor(FusedExecutor):
         self.failed = None        # the first error that invalidated the capture
         # Where the checks of the captured indexing ops start in bounds' record.
         self._checks_start = len(bounds._unread)
+        # Where the captured ops' lines start in the NaN checks' record.
+        self._lines_start = len(errors.FUSED_LINES)
 
     def run(self, kernel, flat, storages):
         if self.failed is not None:
@@ -129,6 +132,7 @@ class CaptureExecutor(FusedExecutor):
         # The captured checks did not run: drop their record (the flag is
         # back to what it was, clear).
         bounds.check()
+        del errors.FUSED_LINES[self._lines_start:]
         return CapturedGraph(run, input_storages, [owner for _, owner in live], donate,
                              list(g.scalars), self.random_scalars, len(g.nodes),
                              [(x.shape, x.dtype) for x in g.inputs], checks, g.device)
@@ -149,6 +153,7 @@ class CaptureExecutor(FusedExecutor):
                 original = originals.get(id(owner))
                 owner.array = original if original is not None else Lost(error, p.shape, p.dtype)
         bounds.check()
+        del errors.FUSED_LINES[self._lines_start:]
 
 
 class CapturedGraph:
@@ -201,6 +206,9 @@ class CapturedGraph:
             storage.array = value
         if self._checks:
             self._note_checks()
+        if errors.nan_checks_on() and value_checks.any_nonfinite(results):
+            raise RuntimeError("torchtpu: a replayed graph produced NaN or Inf "
+                               "(TORCHTPU_CHECK_NANS=1)")
         return results
 
     def _note_checks(self):
