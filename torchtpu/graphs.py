@@ -1,5 +1,5 @@
 """Graph capture and replay with CUDA Graphs' API: torch.tpu.TPUGraph,
-torch.tpu.graph, torch.tpu.graph_pool_handle,
+torch.tpu.graph, torch.tpu.make_graphed_callables, torch.tpu.graph_pool_handle,
 torch.tpu.is_current_stream_capturing.
 
 Capture swaps the current executor for modes.capture's, which records the

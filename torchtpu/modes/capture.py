@@ -11,6 +11,11 @@ runs at capture (CUDA's capture does not run the work either): written
 storages keep the values they had before it, and storages it created hold
 zeros until the first replay.
 
+Indexing ops keep their device-side index checks: the graph merges them
+into the device's running flag, and each replay tells torchtpu.bounds, so
+the next sync point raises for an out-of-range index, naming the op's line
+in the captured code.
+
 Random ops: each one's (seed, offset) is a dynamic scalar of the graph;
 replay draws fresh ones from the device generator, in the order the region
 drew them, so every replay advances the generator as running the region
