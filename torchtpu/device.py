@@ -109,8 +109,7 @@ def _empty(op):
         else:
             dense = kwargs.get("memory_format") in (None, torch.contiguous_format)
         if dense and kwargs.get("layout") in (None, torch.strided) and modes.current().name != "fused":
-            index = properties.device_index(kwargs.get("device"))
-            properties.check_index(index)
+            index = properties.checked_index(kwargs.get("device"))
             return TpuTensor(Storage(runtime.host_zeros(size, dtype, index), index), size, dtype)
         return default(size, *args, **kwargs)
     return kernel

@@ -20,13 +20,6 @@ from . import properties, runtime
 _peaks = {}
 
 
-def _index(device):
-    """The device index a query names (None: the current device)."""
-    index = properties.device_index(device, optional=True)
-    properties.check_index(index)
-    return properties.current_index() if index < 0 else index
-
-
 def _peak(index):
     p = _peaks.get(index)
     if p is None:
@@ -55,7 +48,7 @@ def live_arrays(index=None):
 
 def _figures(device=None, settle=True):
     """(allocated bytes, reserved bytes, live allocations, platform peak or None)."""
-    index = _index(device)
+    index = properties.checked_index(device)
     if settle:
         _settle()
     stats = properties.platform_memory_stats(index)
@@ -74,7 +67,7 @@ def sample(device=None, settle=True):
     """Take the current figures, raising the peaks to them; settle: wait for
     the issued work first (a sync point)."""
     allocated, reserved, count, platform_peak = _figures(device, settle)
-    p = _peak(_index(device))
+    p = _peak(properties.checked_index(device))
     p["allocated"] = max(p["allocated"], allocated)
     if platform_peak is not None and (p["platform_peak_at_reset"] is None
                                       or platform_peak > p["platform_peak_at_reset"]):
@@ -90,7 +83,7 @@ def memory_allocated(device=None):
 
 def max_memory_allocated(device=None):
     sample(device)
-    return _peak(_index(device))["allocated"]
+    return _peak(properties.checked_index(device))["allocated"]
 
 
 def memory_reserved(device=None):
@@ -99,13 +92,14 @@ def memory_reserved(device=None):
 
 def max_memory_reserved(device=None):
     sample(device)
-    return _peak(_index(device))["reserved"]
+    return _peak(properties.checked_index(device))["reserved"]
 
 
 def reset_peak_memory_stats(device=None):
     allocated, reserved, _, platform_peak = _figures(device)
-    _peak(_index(device)).update(allocated=allocated, reserved=reserved,
-                 platform_peak_at_reset=None if platform_peak is None else int(platform_peak))
+    _peak(properties.checked_index(device)).update(
+        allocated=allocated, reserved=reserved,
+        platform_peak_at_reset=None if platform_peak is None else int(platform_peak))
 
 
 reset_max_memory_allocated = reset_peak_memory_stats
@@ -116,13 +110,13 @@ max_memory_cached = max_memory_reserved
 
 def reset_accumulated_memory_stats(device=None):
     """No accumulated counters are kept (only current and peak figures)."""
-    properties.check_index(properties.device_index(device, optional=True))
+    properties.checked_index(device)
 
 
 def memory_stats(device=None):
     """The figures under torch.cuda.memory_stats' key names."""
     allocated, reserved, count = sample(device)
-    peak = _peak(_index(device))
+    peak = _peak(properties.checked_index(device))
     stats = collections.OrderedDict()
     for name, current, peak in (("allocated_bytes", allocated, peak["allocated"]),
                                 ("active_bytes", allocated, peak["allocated"]),
@@ -138,7 +132,7 @@ def memory_stats(device=None):
 
 def memory_summary(device=None, abbreviated=False):
     stats = memory_stats(device)
-    index = _index(device)
+    index = properties.checked_index(device)
     source = "platform statistics" if properties.platform_memory_stats(index) else "live arrays"
 
     def mib(n):
@@ -156,7 +150,7 @@ def memory_summary(device=None, abbreviated=False):
 
 def mem_get_info(device=None):
     """(free, total) bytes of the device memory."""
-    stats = properties.platform_memory_stats(_index(device))
+    stats = properties.platform_memory_stats(properties.checked_index(device))
     if stats and stats.get("bytes_limit"):
         total = int(stats["bytes_limit"])
         return total - int(stats.get("bytes_in_use", 0)), total

@@ -126,10 +126,16 @@ class device_of(device):
         super().__init__(obj.get_device() if obj.device.type == "tpu" else -1)
 
 
-def _jax_device(d=None):
-    index = device_index(d, optional=True)
+def checked_index(device):
+    """The index of the device that device names, which this process must
+    have; the current device for None or "tpu"."""
+    index = device_index(device, optional=True)
     check_index(index)
-    return runtime.device(_current if index < 0 else index)
+    return _current if index < 0 else index
+
+
+def _jax_device(d=None):
+    return runtime.device(checked_index(d))
 
 
 def platform_memory_stats(d=None):
@@ -193,8 +199,8 @@ class _DeviceProperties:
 
 
 def get_device_properties(device=None):
-    index = max(device_index(device, optional=True), 0)
-    return _DeviceProperties(_jax_device(index), index)
+    index = checked_index(device)
+    return _DeviceProperties(runtime.device(index), index)
 
 
 def is_bf16_supported(including_emulation=True):

@@ -46,7 +46,7 @@ def _issue_pending():
 def synchronize(device=None):
     """Wait for all issued work: ops, and uploads from pinned memory."""
     from . import modes  # (its executors need the device registered first)
-    properties.check_index(properties.device_index(device, optional=True))
+    properties.checked_index(device)
     runtime.wait_transfers()
     modes.sync()
 
@@ -115,10 +115,8 @@ class Stream(_TorchStream):
     def __new__(cls, device=None, priority=0, **kwargs):
         if "stream_id" in kwargs:  # torch.Stream(stream_id=, device_index=, device_type=)
             return super().__new__(cls, **kwargs)
-        index = properties.device_index(device, optional=True)
-        properties.check_index(index)
         return super().__new__(cls, stream_id=next(_stream_ids),
-                               device_index=properties.current_index() if index < 0 else index,
+                               device_index=properties.checked_index(device),
                                device_type=_DEVICE_TYPE)
 
     def __init__(self, *args, **kwargs):
@@ -231,12 +229,12 @@ class Event(_TorchEvent):
 
 
 def current_stream(device=None):
-    properties.check_index(properties.device_index(device, optional=True))
+    properties.checked_index(device)
     return getattr(_local, "stream", None) or _default
 
 
 def default_stream(device=None):
-    properties.check_index(properties.device_index(device, optional=True))
+    properties.checked_index(device)
     return _default
 
 

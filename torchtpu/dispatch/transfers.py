@@ -91,9 +91,8 @@ def _to_copy_handler(x, **kwargs):
     kwargs.pop("pin_memory", None)
     kwargs.pop("non_blocking", None)
     if device is not None:
-        index = properties.device_index(device)
+        index = properties.checked_index(device)
         if index != x._storage.device:
-            properties.check_index(index)
             x = to_device(x, index)
             if not kwargs:
                 return x

@@ -29,7 +29,7 @@ from .. import bounds, errors, metrics, runtime
 from . import checks as value_checks
 from ..ops import random as rng
 from ..tensor import Lost, Pending, Storage
-from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _user_line
+from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _live, _user_line
 
 
 class CaptureSyncError(RuntimeError):
@@ -103,12 +103,8 @@ class CaptureExecutor(FusedExecutor):
         the values they had before capture, created ones zeros."""
         g = self._graph
         self._graph = _Graph()
-        live = []
+        live = _live(g)
         owners = {}
-        for p in g.outputs:
-            owner = p.owner() if p.owner is not None else None
-            if owner is not None and owner.array is p:
-                live.append((p, owner))
         input_storages = []
         for i, ref in enumerate(g.input_owners):
             s = ref()
@@ -152,11 +148,9 @@ class CaptureExecutor(FusedExecutor):
             s = ref()
             if s is not None:
                 originals[id(s)] = g.inputs[i]
-        for p in g.outputs:
-            owner = p.owner() if p.owner is not None else None
-            if owner is not None and owner.array is p:
-                original = originals.get(id(owner))
-                owner.array = original if original is not None else Lost(error, p.shape, p.dtype)
+        for p, owner in _live(g):
+            original = originals.get(id(owner))
+            owner.array = original if original is not None else Lost(error, p.shape, p.dtype)
         bounds.check()
         del errors.FUSED_LINES[self._lines_start:]
 

@@ -200,11 +200,7 @@ class FusedExecutor(StrictExecutor):
         if not g.nodes:
             return
         self._graph = _Graph()
-        live = []
-        for p in g.outputs:
-            owner = p.owner() if p.owner is not None else None
-            if owner is not None and owner.array is p:
-                live.append((p, owner))
+        live = _live(g)
         self._last = None  # the last graph's results: maybe this one's inputs, to donate
         donate = None if errors.nan_checks_on() else _donatable(g, live)
         if donate is not None:
@@ -286,6 +282,17 @@ class FusedExecutor(StrictExecutor):
         seen.append(h)
         flags.append(new)
         return new and len(flags) == CHURN_WINDOW and sum(flags) >= CHURN_NEW_KEYS
+
+
+def _live(g):
+    """(pending value, its storage) for each of g's outputs a storage still
+    holds: what running g must materialize."""
+    live = []
+    for p in g.outputs:
+        owner = p.owner() if p.owner is not None else None
+        if owner is not None and owner.array is p:
+            live.append((p, owner))
+    return live
 
 
 def _abstract(kernel, flat):
