@@ -191,6 +191,27 @@ def note(bound, func, flag, inputs, produced, frame, device=0):
         check()
 
 
+def unread_checks():
+    """The checked ops noted and not read yet, oldest first (graph capture
+    keeps the ones its region recorded, for note_replayed)."""
+    return tuple(_unread)
+
+
+def note_replayed(checks, flag, inputs, produced, device=0):
+    """A replayed graph ran the checked ops `checks` (from unread_checks(),
+    each keeping its captured line): `flag` merges their checks into
+    tpu:device's running one; what the graph produced depends on all of them
+    and on what its inputs depend on. One call per replay, not per op."""
+    f = _flags_of(device)
+    f.running.assign(flag)
+    first = len(_unread)
+    f.positions.extend(range(first, first + len(checks)))
+    _taint(produced, _deps(inputs) | (((1 << len(checks)) - 1) << first))
+    _unread.extend(checks)
+    if len(_unread) >= MAX_UNREAD:
+        check()
+
+
 def propagate(inputs, produced):
     """An op ran while flags are unread: what it produced depends on what its
     inputs depend on."""

@@ -54,7 +54,7 @@ class CaptureExecutor(FusedExecutor):
         self.random_scalars = []  # (seed position, offset position) in the graph's scalars
         self.failed = None        # the first error that invalidated the capture
         # Where the checks of the captured indexing ops start in bounds' record.
-        self._checks_start = len(bounds._unread)
+        self._checks_start = len(bounds.unread_checks())
         # Where the captured ops' lines start in the NaN checks' record.
         self._lines_start = len(errors.FUSED_LINES)
 
@@ -115,6 +115,9 @@ class CaptureExecutor(FusedExecutor):
             owners[id(s)] = i
         donate = tuple(False for _ in g.inputs)
         written = {id(owner) for _, owner in live}
+        # Not the index checks' flag: a sync point puts back the blank flag
+        # other holders share, so donating it would cost a copy per replay.
+        written.discard(id(bounds.flag_input(False, g.device)))
         mask = [id(s) in written and (s.array.shape, s.array.dtype) == (x.shape, x.dtype)
                 for s, x in zip(input_storages, g.inputs)]
         if any(mask):
@@ -122,7 +125,7 @@ class CaptureExecutor(FusedExecutor):
             live = _donation_order(g, live, donate)
         live_refs = tuple(p.ref for p, _ in live)
         run = _build_graph(g, live_refs, donate if any(donate) else None) if g.nodes else None
-        checks = list(bounds._unread[self._checks_start:])
+        checks = bounds.unread_checks()[self._checks_start:]
         device = runtime.DEVICES[g.device]
         for p, owner in live:
             i = owners.get(id(owner))
@@ -218,7 +221,4 @@ class CapturedGraph:
         flag = bounds.flag_input(False, self._device)
         # What depends on the checks: the results, but for the flag itself.
         produced = [s for s in self.outputs if s is not flag]
-        for c in self._checks:
-            bounds.note(c.bound, c.func, flag.array, self.inputs, produced,
-                        sys._getframe(), self._device)
-            bounds._unread[-1].where = c.where
+        bounds.note_replayed(self._checks, flag.array, self.inputs, produced, self._device)
