@@ -14,25 +14,38 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, worker, n, timeout=300):
-    """worker (a script's text, taking its report's path as argv[1]) run in n
-    processes; their reports, in rank order."""
+def start_ranks(tmp_path, worker, n, env=None):
+    """worker (a script's text, taking its report's path as argv[1]) started
+    in n processes with torchrun's environment (plus env); (the processes,
+    their reports' paths), in rank order."""
     script = tmp_path / "worker.py"
     script.write_text(worker)
     outs = [tmp_path / f"rank{r}.json" for r in range(n)]
     base = dict(os.environ, TORCHTPU_CACHE_DIR="off", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()), TORCHTPU_COORDINATOR_PORT=str(free_port()),
-                WORLD_SIZE=str(n))
+                WORLD_SIZE=str(n), **(env or {}))
     base.pop("TORCHTPU_DISTRIBUTED", None)
     procs = [subprocess.Popen([sys.executable, str(script), str(outs[r])],
                               env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(n)]
+    return procs, outs
+
+
+def finish(procs, timeout):
+    """Each process's output once it has ended (killed after timeout)."""
     try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
+
+
+def run_ranks(tmp_path, worker, n, timeout=300, env=None):
+    """worker run in n processes (see start_ranks); their reports, in rank
+    order, once every one has succeeded."""
+    procs, outs = start_ranks(tmp_path, worker, n, env)
+    logs = finish(procs, timeout)
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log
     return [json.load(open(out)) for out in outs]

@@ -10,7 +10,7 @@ from . import runtime
 
 # The current device (torch.tpu.set_device, torch.tpu.device(N)): where
 # "tpu" without an index places tensors. One per process, as torchtpu's
-# executors are.
+# executors are; tpu:LOCAL_RANK at first when processes share a host.
 _current = 0
 
 
@@ -97,6 +97,10 @@ def check_index(index):
     if index != -1 and not 0 <= index < len(runtime.DEVICES):
         raise RuntimeError(f"tpu:{index} is not available: torch.tpu.device_count() is "
                            f"{len(runtime.DEVICES)} (CUDA error: invalid device ordinal)")
+
+
+if runtime.OWN_INDEX:
+    set_current_index(runtime.OWN_INDEX)
 
 
 class device:

@@ -39,6 +39,9 @@ DEVICES = jax.local_devices(backend=PLATFORM)
 # Where a kernel's results go when it runs on tpu:N, N > 0 (on tpu:0 they
 # follow the inputs, and JAX's default device takes factories).
 SHARDINGS = [jax.sharding.SingleDeviceSharding(d) for d in DEVICES]
+# The device "tpu" names until set_device: tpu:LOCAL_RANK in one of several
+# processes on a host (as torchrun's scripts use cuda:LOCAL_RANK), else tpu:0.
+OWN_INDEX = bootstrap.own_device_index(len(DEVICES))
 
 
 def device(index=0):

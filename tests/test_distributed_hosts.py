@@ -1,0 +1,85 @@
+"""Processes sharing a host, and ranks that die, under torch.distributed on
+tpu: with torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE, each process's own
+device is tpu:LOCAL_RANK and its current device; a rank that exits before a
+collective makes the others fail within the group's timeout, naming it."""
+import json
+import textwrap
+import time
+
+import pytest
+from processes import finish, run_ranks, start_ranks
+
+LOCAL_RANK_WORKER = textwrap.dedent("""\
+    import datetime, json, os, sys
+    import jax, torch, torch.distributed as dist, torch.nn.functional as F
+    import torchtpu
+    from torchtpu.dispatch.host import device_array
+    local = int(os.environ["LOCAL_RANK"])
+    report = {"count": torch.tpu.device_count(), "current": torch.tpu.current_device(),
+              "accelerator": torch.accelerator.current_device_index()}
+    torch.tpu.set_device(local)  # as torchrun scripts call torch.cuda.set_device
+    dist.init_process_group(device_id=torch.device("tpu", local),
+                            timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+
+    def where(t):
+        (d,) = device_array(t).devices()
+        return [str(t.device), d.id, d == jax.local_devices()[local]]
+
+    bare = torch.full((3,), rank + 1.0, device="tpu")
+    named = torch.full((3,), 10.0 * (rank + 1), device=f"tpu:{local}")
+    moved = torch.arange(3.0).to("tpu")
+    report["where"] = [where(bare), where(named), where(moved)]
+    dist.all_reduce(bare)
+    dist.all_reduce(named)
+    report["sums"] = [bare.cpu().tolist(), named.cpu().tolist(), where(bare)]
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to("tpu")
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)
+    F.mse_loss(ddp(x[2 * rank:2 * rank + 2].to("tpu")), y[2 * rank:2 * rank + 2].to("tpu")).backward()
+    report["grad"] = [where(model.weight.grad), model.weight.grad.cpu().tolist()]
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 2)
+    F.mse_loss(ref(x), y).backward()
+    report["want_grad"] = ref.weight.grad.tolist()
+    dist.destroy_process_group()
+    json.dump(report, open(sys.argv[1], "w"))
+""")
+
+
+@pytest.mark.parametrize("xla_flags", [None, ""], ids=["host devices set", "host devices raised"])
+def test_local_rank_names_each_process_own_device(tmp_path, xla_flags):
+    # XLA's host device count: set to 2 by conftest, or unset (torchtpu then
+    # gives each process LOCAL_WORLD_SIZE host devices).
+    env = {"LOCAL_WORLD_SIZE": "2"} if xla_flags is None else {"LOCAL_WORLD_SIZE": "2",
+                                                               "XLA_FLAGS": xla_flags}
+    reports = run_ranks(tmp_path, LOCAL_RANK_WORKER, 2, env=env)
+    ids = set()
+    for rank, r in enumerate(reports):
+        assert r["count"] == 2
+        assert r["current"] == r["accelerator"] == rank  # before any set_device
+        for device, jax_id, own in r["where"] + [r["sums"][2], r["grad"][0]]:
+            assert device == f"tpu:{rank}" and own, r
+            ids.add(jax_id)
+        assert r["sums"][:2] == [[3.0] * 3, [30.0] * 3]
+        got, want = r["grad"][1], r["want_grad"]
+        for a, b in zip(sum(got, []), sum(want, [])):
+            assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), (got, want)
+    assert len(ids) == 2  # each rank's own device, two devices in all
+
+
+def test_local_rank_outside_the_local_world_raises(monkeypatch):
+    from torchtpu.distributed import bootstrap
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"):
+        bootstrap._local()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert bootstrap._local() == (1, 2)
+    # This process is not one of several JAX processes: its own device is tpu:0.
+    assert bootstrap.own_device_index(2) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert bootstrap._local() is None
