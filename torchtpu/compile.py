@@ -28,14 +28,59 @@ from torch.utils import _pytree as pytree
 
 from .errors import is_internal
 from .integrations.after_import import when_imported
-from .tensor import DEVICE
+from .tensor import DEVICE, TpuTensor
 
 _routing_warned = False
 
 
-def tpu_backend(gm, example_inputs):
-    """Dynamo backend: the captured graph, run as eager code."""
-    return gm.forward
+_aot_backend = None
+
+
+def tpu_backend(gm, example_inputs, mode=None):
+    """Dynamo backend: a graph on tpu tensors becomes one XLA computation
+    per AOTAutograd graph (forward, backward); any other graph runs as
+    eager code."""
+    if not graph_uses_device(gm, example_inputs):
+        return gm.forward
+    global _aot_backend
+    if _aot_backend is None:
+        from torch._dynamo.backends.common import aot_autograd
+        from .compiled import compile_graph
+        _aot_backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
+                                    keep_inference_input_mutations=True)
+    return _aot_backend(gm, example_inputs)
+
+
+def _dynamo_wraps_tpu_tensors(builder):
+    """Dynamo's VariableBuilder treats a tpu tensor as a plain tensor.
+
+    Dynamo puts in its graphs only plain tensors and traceable wrapper
+    subclasses (__tensor_flatten__ over inner tensors; a tpu tensor's data is
+    a JAX array, not a tensor); any other tensor subclass is an opaque
+    object, and each op on one a graph break. A tpu tensor needs no more
+    than a plain tensor does: its fake tensor (FakeTensorMode.from_tensor) is
+    a plain FakeTensor on the tpu device, with its shape, strides and dtype,
+    and PyTorch's meta kernels run on it. So Dynamo wraps it as it wraps a
+    plain tensor, guarded on its type as on its other properties."""
+    wrap, infer = builder.VariableBuilder._wrap, builder.infer_subclass_type
+
+    def _wrap(self, value):
+        if type(value) is TpuTensor:
+            return self.wrap_tensor(value)
+        return wrap(self, value)
+
+    def infer_subclass_type(value):
+        return None if type(value) is TpuTensor else infer(value)
+
+    builder.VariableBuilder._wrap = _wrap
+    builder.infer_subclass_type = infer_subclass_type
+    # AOTAutograd, having traced plain (fake) tensors, expects plain tangents
+    # in backward; a tpu tensor is the tangent it means.
+    TpuTensor.__coerce_same_metadata_as_tangent__ = _same_tangent
+
+
+def _same_tangent(self, expected_meta, expected_type=None):
+    return self
 
 
 def _on_device(value):
@@ -106,6 +151,8 @@ def _register_with_dynamo(dynamo):
     from torch._dynamo import trace_rules
     for package in ("torchtpu", "jax", "jaxlib"):
         trace_rules.add(package)
+    from torch._dynamo.variables import builder
+    _dynamo_wraps_tpu_tensors(builder)
     dynamo.register_backend(tpu_backend, name=DEVICE.type)
 
 
