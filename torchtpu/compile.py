@@ -51,7 +51,7 @@ def tpu_backend(gm, example_inputs, mode=None):
     return _aot_backend(gm, example_inputs)
 
 
-def _dynamo_wraps_tpu_tensors(builder):
+def _dynamo_wraps_tpu_tensors(builder, fake_tensor):
     """Dynamo's VariableBuilder treats a tpu tensor as a plain tensor.
 
     Dynamo puts in its graphs only plain tensors and traceable wrapper
@@ -74,6 +74,12 @@ def _dynamo_wraps_tpu_tensors(builder):
 
     builder.VariableBuilder._wrap = _wrap
     builder.infer_subclass_type = infer_subclass_type
+    # Fake tensor mode must not make real tpu tensors while tracing: as for
+    # a CUDA it cannot use, torch.tensor(..., device=...) then makes a CPU
+    # tensor and moves its fake to the device, and small tensors are not
+    # kept as real constants across device moves. (Real tpu tensors inside
+    # fake tensors' ops are something neither side can serve.)
+    fake_tensor.FakeTensorMode.avoid_device_init = property(lambda self: True)
     # AOTAutograd, having traced plain (fake) tensors, expects plain tangents
     # in backward; a tpu tensor is the tangent it means.
     TpuTensor.__coerce_same_metadata_as_tangent__ = _same_tangent
@@ -152,7 +158,8 @@ def _register_with_dynamo(dynamo):
     for package in ("torchtpu", "jax", "jaxlib"):
         trace_rules.add(package)
     from torch._dynamo.variables import builder
-    _dynamo_wraps_tpu_tensors(builder)
+    from torch._subclasses import fake_tensor
+    _dynamo_wraps_tpu_tensors(builder, fake_tensor)
     dynamo.register_backend(tpu_backend, name=DEVICE.type)
 
 
