@@ -1,8 +1,10 @@
-"""Training-step benchmarks: the models, and the same MLP step written as one
-jax.jit function (the compiled limit fused mode aims at).
+"""Training-step benchmarks: the models, the same MLP step written as one
+jax.jit function (the compiled limit fused mode aims at), the step captured
+once and replayed (torch.tpu.graph), and a replayed greedy decode step.
 
 Each figure is the median of several repeats, measured side by side in one
-process: torchtpu fused, torchtpu strict, PyTorch CPU eager, jax.jit.
+process: torchtpu fused, torchtpu strict, PyTorch CPU eager, jax.jit, and
+for replay_steps the replayed graph, the runs alternating.
 """
 import functools
 
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
-from common import timings
+from common import alternating_ms, timings
 
 
 # ---- models ----------------------------------------------------------------
@@ -49,44 +51,67 @@ def gpt_batch():
     return tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous()
 
 
+def _loss_step(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    out = model(x)
+    loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def _torch_step(model, opt, x, y):
-    def step():
-        opt.zero_grad(set_to_none=True)
-        out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step
+    return lambda: _loss_step(model, opt, x, y).item()
+
+
+def step_fn(make_model, make_batch, mode, device="tpu"):
+    """One AdamW training step of a fresh model (seeded) as run(): in an
+    eager mode ("fused", "strict", "debug"), or PyTorch's own ("torch") on
+    device; it ends reading the loss, as a training loop that logs it does."""
+    torch.manual_seed(0)
+    model = make_model()
+    x, y = make_batch()
+    if mode == "torch":
+        model, x, y = model.to(device), x.to(device), y.to(device)
+        return _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x, y)
+    with torchtpu.eager_mode(mode):
+        model = model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = _torch_step(model, opt, x.to(device), y.to(device))
+
+    def run():
+        with torchtpu.eager_mode(mode):
+            return step()
+    return run
 
 
 def training_step(make_model, make_batch, repeats=5, modes=("fused", "strict", "torch_cpu")):
     """Median ms per training step (AdamW) per mode."""
     results = {}
     for mode in modes:
-        torch.manual_seed(0)
-        model = make_model()
-        x, y = make_batch()
         if mode == "torch_cpu":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            results[mode] = timings(_torch_step(model, opt, x, y), repeats)[0] * 1e3
+            run = step_fn(make_model, make_batch, "torch", "cpu")
+            results[mode] = timings(run, repeats)[0] * 1e3
             continue
-        with torchtpu.eager_mode(mode):
-            model = model.to("tpu")
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            x, y = x.to("tpu"), y.to("tpu")
-            results[mode] = timings(_torch_step(model, opt, x, y), repeats, warmup=3)[0] * 1e3
+        run = step_fn(make_model, make_batch, mode)
+        results[mode] = timings(run, repeats, warmup=3)[0] * 1e3
     return results
 
 
 def jax_mlp_step(repeats=5):
-    """The MLP step as one jax.jit function (forward, backward, AdamW): the
-    compiled limit fused mode aims at."""
+    """Median ms of the MLP step as one jax.jit function."""
+    return timings(jax_mlp_step_fn(), repeats, warmup=2)[0] * 1e3
+
+
+def jax_mlp_step_fn(device=None):
+    """The MLP step as one jax.jit function (forward, backward, AdamW), as
+    run(): the compiled limit fused mode aims at. device: a JAX device (its
+    default one if None)."""
     torch.manual_seed(0)
     model = mlp()
-    params = [jnp.asarray(p.detach().numpy()) for p in model.parameters()]
+    params = [jax.device_put(p.detach().numpy(), device) for p in model.parameters()]
     x, y = mlp_batch()
-    x, y = jnp.asarray(x.numpy()), jnp.asarray(y.numpy())
+    x, y = jax.device_put(x.numpy(), device), jax.device_put(y.numpy(), device)
 
     def loss_fn(ps):
         w1, b1, w2, b2, w3, b3 = ps
@@ -120,7 +145,7 @@ def jax_mlp_step(repeats=5):
         out = step(*state)
         state[:] = out[:4]
         float(out[4])
-    return timings(run, repeats, warmup=2)[0] * 1e3
+    return run
 
 
 def training_steps(repeats=5):
@@ -144,4 +169,150 @@ training_steps.columns = [
     ("torch_cpu", "PyTorch CPU eager", "{:.1f}"), ("jax_jit", "jax.jit step", "{:.1f}"),
     ("speedup", "strict / fused", "{:.2f}x"), ("of_jit", "fused / jax.jit", "{:.2f}x"),
     ("of_cpu", "CPU eager / fused", "{:.2f}x"),
+]
+
+
+# ---- graph replay --------------------------------------------------------------
+
+def _buffers(tensors):
+    """The device buffer each tensor's storage holds now."""
+    return [t._storage.array.unsafe_buffer_pointer() for t in tensors]
+
+
+def replayed_step_fn(make_model, make_batch, mode="strict", device="tpu", warmup=3):
+    """The AdamW step captured once after warmup eager steps (as CUDA
+    scripts do), as run(): g.replay(), then reading the loss. Adam's step
+    counts stay on the device (capturable=True), as CUDA graphs need.
+    run.state: the parameters and optimizer state (what replay donates)."""
+    torch.manual_seed(0)
+    model = make_model()
+    x, y = make_batch()
+    with torchtpu.eager_mode(mode):
+        model = model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
+        x, y = x.to(device), y.to(device)
+        for _ in range(warmup):
+            _loss_step(model, opt, x, y)
+        g = torch.tpu.TPUGraph()
+        with torch.tpu.graph(g):
+            loss = _loss_step(model, opt, x, y)
+
+    def run():
+        with torchtpu.eager_mode(mode):
+            g.replay()
+            return loss.item()
+    run.graph = g
+    run.state = list(model.parameters()) + [v for s in opt.state.values() for v in s.values()]
+    return run
+
+
+def in_place(run):
+    """(how many of run.state a replay of run.graph left in their own device
+    buffers, how many there are): donation at work, no copy of them."""
+    run.graph.replay()
+    before = _buffers(run.state)
+    run.graph.replay()
+    torchtpu.sync()
+    return sum(a == b for a, b in zip(before, _buffers(run.state))), len(run.state)
+
+
+def tiny_llama():
+    """The tiny Llama of the tests (grouped-query attention, RoPE, RMSNorm)."""
+    import transformers
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attn_implementation="sdpa")).eval()
+
+
+DECODE_TOKENS = 16
+
+
+def decode_fn(device, mode="strict", replay=False):
+    """Greedy decoding of DECODE_TOKENS tokens of tiny_llama() with a static
+    key/value cache, from position 0, as run() -> the tokens (each read on
+    the host after its step, as a loop that checks for the end does). With
+    replay, one step is captured (after an eager step that builds the cache:
+    made inside the capture it would be made again, empty, by every replay,
+    as on CUDA) and each token is one g.replay()."""
+    import transformers
+    model = tiny_llama().to(device)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    token = torch.tensor([[3]], device=device)
+    pos = torch.tensor([0], device=device)
+
+    def step():
+        logits = model(input_ids=token, cache_position=pos, past_key_values=cache).logits
+        next_token = logits[:, -1].argmax(-1, keepdim=True)
+        token.copy_(next_token)
+        pos.add_(1)
+        return next_token
+
+    def restart():
+        # The cache writes where its own position tensor says (reset zeroes it).
+        cache.reset()
+        token.fill_(3)
+        pos.zero_()
+
+    g = None
+    with torch.no_grad(), torchtpu.eager_mode(mode):
+        if replay:
+            step()
+            restart()
+            g = torch.tpu.TPUGraph()
+            with torch.tpu.graph(g):
+                static_next = step()
+            step = lambda: (g.replay(), static_next)[1]  # noqa: E731
+
+    def run():
+        with torch.no_grad(), torchtpu.eager_mode(mode):
+            restart()
+            return [int(step()) for _ in range(DECODE_TOKENS)]
+    run.graph = g
+    run.state = [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
+    return run
+
+
+def replay_steps(repeats=9):
+    """ms per step of the replayed graph beside the eager modes, PyTorch CPU
+    eager and the jax.jit MLP step, alternating; and how many parameters and
+    optimizer-state tensors (cache tensors for decode) stay in their buffers."""
+    rows = []
+    for name, make_model, make_batch, n in (
+            ("MLP 784-1024-1024-10, batch 128, AdamW", mlp, mlp_batch, 2 * repeats),
+            ("GPT 4 layers d256 h4, seq 128, batch 8, AdamW", TinyGPT, gpt_batch, repeats)):
+        fns = {"replayed": replayed_step_fn(make_model, make_batch),
+               "fused": step_fn(make_model, make_batch, "fused"),
+               "strict": step_fn(make_model, make_batch, "strict"),
+               "torch_cpu": step_fn(make_model, make_batch, "torch", "cpu")}
+        if make_model is mlp:
+            fns["jax_jit"] = jax_mlp_step_fn()
+        kept = in_place(fns["replayed"])
+        ms = alternating_ms(fns, n, warmup=3)
+        rows.append(dict(ms, step=name, kept=kept))
+    fns = {"replayed": decode_fn("tpu", replay=True), "fused": decode_fn("tpu", "fused"),
+           "strict": decode_fn("tpu", "strict"), "torch_cpu": decode_fn("cpu")}
+    tokens = {name: fn() for name, fn in fns.items()}
+    if len({tuple(t) for t in tokens.values()}) != 1:
+        raise AssertionError(f"decoded tokens differ: {tokens}")
+    kept = in_place(fns["replayed"])
+    ms = alternating_ms(fns, repeats, warmup=2)
+    rows.append(dict({k: v / DECODE_TOKENS for k, v in ms.items()}, kept=kept,
+                     step=f"tiny Llama greedy decode, static cache (per token of {DECODE_TOKENS})"))
+    for r in rows:
+        r.setdefault("jax_jit", float("nan"))
+        r.update(of_jit=r["replayed"] / r["jax_jit"], of_fused=r["fused"] / r["replayed"],
+                 of_cpu=r["torch_cpu"] / r["replayed"], kept="%d of %d" % r["kept"])
+    return rows
+
+
+replay_steps.title = ("Graph replay (torch.tpu.graph), ms per step, median, side by side: "
+                      "replayed vs fused vs strict vs PyTorch CPU eager vs one jax.jit function")
+replay_steps.columns = [
+    ("step", "step", "{}"), ("replayed", "replayed", "{:.2f}"), ("fused", "fused", "{:.2f}"),
+    ("strict", "strict", "{:.2f}"), ("torch_cpu", "PyTorch CPU eager", "{:.2f}"),
+    ("jax_jit", "jax.jit step", "{:.2f}"), ("of_jit", "replayed / jax.jit", "{:.2f}x"),
+    ("of_fused", "fused / replayed", "{:.2f}x"), ("of_cpu", "CPU eager / replayed", "{:.2f}x"),
+    ("kept", "state in place", "{}"),
 ]

@@ -28,7 +28,7 @@ from cache_warm_start import cache_warm_start  # noqa: E402
 from compiled_hf import compiled_hf_step  # noqa: E402
 from distributed import all_reduce_bandwidth, ddp_step  # noqa: E402
 from common import table  # noqa: E402
-from fused import training_steps  # noqa: E402
+from fused import replay_steps, training_steps  # noqa: E402
 from index_check import index_check  # noqa: E402
 from optim import fused_adamw  # noqa: E402
 from per_op import per_op  # noqa: E402
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "performance.md")
 
 
-BENCHMARKS = {"per_op": per_op, "training_steps": training_steps,
+BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps": replay_steps,
               "amp_training_steps": amp_training_steps,
               "compiled_hf_step": compiled_hf_step,
               "cache_warm_start": cache_warm_start, "transfers": transfers,
