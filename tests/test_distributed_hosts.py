@@ -83,3 +83,55 @@ def test_local_rank_outside_the_local_world_raises(monkeypatch):
     assert bootstrap.own_device_index(2) == 0
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert bootstrap._local() is None
+
+
+DEAD_RANK_WORKER = textwrap.dedent("""\
+    import datetime, json, os, sys, time
+    import torch, torch.distributed as dist
+    import torchtpu
+    dist.init_process_group(timeout=datetime.timedelta(seconds=20))
+    rank = dist.get_rank()
+    t = torch.ones(3, device="tpu")
+    dist.all_reduce(t)  # both ranks are up
+    if rank == int(os.environ["DEAD_RANK"]):
+        os._exit(3)  # dies, as a rank killed by the OOM killer would
+    time.sleep(1)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        error = None
+    except Exception as e:
+        error = [type(e).__name__, isinstance(e, RuntimeError), str(e)]
+    json.dump({"error": error, "seconds": time.monotonic() - start}, open(sys.argv[1], "w"))
+""")
+
+
+def test_a_dead_rank_fails_the_others_collective_naming_it(tmp_path):
+    # JAX's coordination service ends the survivor once it takes the dead
+    # rank for dead (its heartbeat timeout, made short here).
+    procs, outs = start_ranks(tmp_path, DEAD_RANK_WORKER, 2,
+                              env={"DEAD_RANK": "1", "TORCHTPU_HEARTBEAT_TIMEOUT": "5"})
+    start = time.monotonic()
+    logs = finish(procs, timeout=180)
+    assert time.monotonic() - start < 120, logs
+    assert procs[1].returncode == 3, logs[1]
+    assert outs[0].exists(), logs[0]
+    report = json.load(open(outs[0]))
+    assert report["error"] is not None, report
+    kind, is_runtime_error, message = report["error"]
+    assert kind == "DistBackendError" and is_runtime_error, report
+    assert message.startswith("all_reduce: a rank of the group did not take part"), message
+    assert report["seconds"] < 20, report  # within the group's timeout
+
+
+def test_a_dead_rank_zero_ends_the_others_through_jax(tmp_path):
+    # Rank 0 serves JAX's coordinator: when it dies, JAX's coordination
+    # service ends the other processes at once (an abort with JAX's reason,
+    # no Python error), which is how they fail rather than hang.
+    procs, outs = start_ranks(tmp_path, DEAD_RANK_WORKER, 2, env={"DEAD_RANK": "0"})
+    start = time.monotonic()
+    logs = finish(procs, timeout=180)
+    assert time.monotonic() - start < 60, logs
+    assert procs[0].returncode == 3, logs[0]
+    assert procs[1].returncode != 0 and not outs[1].exists(), logs[1]
+    assert "JAX distributed service detected fatal errors" in logs[1], logs[1]

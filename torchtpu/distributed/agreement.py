@@ -6,10 +6,13 @@ XLA's collectives trust every process to run the same program: over
 tensors of different shapes they return wrong values or hang. So the ranks
 first swap a small fixed-size message on the host through gloo (the group's
 timeout applies) and raise on every rank when the descriptions differ.
+A rank that has died, or does not come within the timeout, fails the swap:
+the others raise DistBackendError naming the collective.
 """
 import hashlib
 
 import torch
+from torch.distributed import DistBackendError
 
 _BYTES = 512  # one message: "device id;extra;description", padded
 
@@ -34,12 +37,23 @@ def _check(name, descriptions, ranks):
         raise RuntimeError(f"{name}: the ranks called it with different arguments ({said})")
 
 
+def _swap(name, *works):
+    """Run gloo's works (functions returning a Work) in turn, waiting for each."""
+    try:
+        for work in works:
+            work().wait()
+    except RuntimeError as e:
+        raise DistBackendError(
+            f"{name}: a rank of the group did not take part (it died, or did not call "
+            f"{name} within the process group's timeout): {e}") from e
+
+
 def exchange(gloo, name, device_id, description, extra=""):
     """Every rank's (device id, extra) in group-rank order, after checking
     that every rank gave the same description (RuntimeError on all if not)."""
     mine = _encode(device_id, extra, description)
     everyone = torch.empty(gloo.size() * _BYTES, dtype=torch.uint8)
-    gloo._allgather_base(everyone, mine).wait()
+    _swap(name, lambda: gloo._allgather_base(everyone, mine))
     decoded = [_decode(b) for b in everyone.view(-1, _BYTES)]
     _check(name, [d for _, _, d in decoded], range(len(decoded)))
     return [(dev, ext) for dev, ext, _ in decoded]
@@ -50,12 +64,9 @@ def exchange_pair(gloo, name, device_id, description, peer, sending, tag):
     matches (the sender speaks first)."""
     mine = _encode(device_id, "", description)
     theirs = torch.empty_like(mine)
-    if sending:
-        gloo.send([mine], peer, tag).wait()
-        gloo.recv([theirs], peer, tag).wait()
-    else:
-        gloo.recv([theirs], peer, tag).wait()
-        gloo.send([mine], peer, tag).wait()
+    send = lambda: gloo.send([mine], peer, tag)  # noqa: E731
+    recv = lambda: gloo.recv([theirs], peer, tag)  # noqa: E731
+    _swap(name, *((send, recv) if sending else (recv, send)))
     their_device, _, their_description = _decode(theirs)
     me = gloo.rank()
     _check(name, [description, their_description], [me, peer])

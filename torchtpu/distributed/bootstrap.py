@@ -14,6 +14,9 @@ The environment it reads:
 - TORCHTPU_COORDINATOR_PORT: the port of JAX's coordinator on MASTER_ADDR
   (rank 0 serves it); default MASTER_PORT + 1, since torch's store holds
   MASTER_PORT.
+- TORCHTPU_HEARTBEAT_TIMEOUT: seconds after which JAX's coordination
+  service takes a silent process for dead and ends the others (default
+  100, JAX's). A process whose peer died exits no sooner.
 - LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun sets both): several processes
   share this host. As under CUDA, where each process of
   `torchrun --nproc-per-node` sees every GPU and uses cuda:LOCAL_RANK, the
@@ -27,6 +30,7 @@ import os
 
 SWITCH = "TORCHTPU_DISTRIBUTED"
 PORT = "TORCHTPU_COORDINATOR_PORT"
+HEARTBEAT = "TORCHTPU_HEARTBEAT_TIMEOUT"
 _NEEDED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
@@ -103,5 +107,6 @@ def initialize_from_env():
     if local is not None:
         _host_devices_for(local[1])
     jax.distributed.initialize(coordinator_address(), int(os.environ["WORLD_SIZE"]),
-                               int(os.environ["RANK"]))
+                               int(os.environ["RANK"]),
+                               heartbeat_timeout_seconds=int(os.environ.get(HEARTBEAT) or 100))
     return True
