@@ -19,11 +19,16 @@ dispatcher in the current eager mode, as before, and say why in
 on every call), ops with device-side index checks, CPU tensor inputs, and
 NaN/Inf checks being on.
 """
+import copy
+import sys
+
 import jax
 import torch
 
 from . import bounds, errors, modes
-from .dispatch.kernels import Kernel
+import jax.numpy as jnp
+
+from .dispatch.kernels import Kernel, _physical_order
 from .tensor import Storage, TpuTensor, read_view, view_tensor, whole_tensor
 
 # Why graphs ran op by op, by reason: what a user (or a test) can inspect.
@@ -38,20 +43,24 @@ def _fallback_reason(gm):
             continue
         if torch.Tag.nondeterministic_seeded in node.target.tags:
             return f"random op {node.target}"
-        if node.target in errors.BOUNDS:
-            return f"index-checked op {node.target}"
     return None
 
 
 class _Traced:
     """The graph traced for one kind of call: its kernel, the slot of each
     tensor input's storage, and how to rebuild the outputs."""
-    __slots__ = ("kernel", "slots", "outputs")
+    __slots__ = ("kernel", "slots", "outputs", "checks")
 
-    def __init__(self, kernel, slots, outputs):
+    def __init__(self, kernel, slots, outputs, checks):
         self.kernel = kernel
         self.slots = slots
-        self.outputs = outputs  # per output: ("t", dtype) or ("c", value)
+        # The index checks its ops make on device (bounds.unread_checks()
+        # entries, each naming its line); the kernel's last input and last
+        # output are then the device's running flag.
+        self.checks = checks
+        # per output: ("t", dtype, None or its (shape, strides) over a
+        # permuted storage array) or ("c", value, None)
+        self.outputs = outputs
 
 
 def _call_key(args):
@@ -68,12 +77,32 @@ def _call_key(args):
     return tuple(parts), list(storages), slots
 
 
+def _as_values(gm):
+    """gm with each view op a reshape. Inside one computation a view is only
+    a value (the graph is functional), and AOTAutograd chose its views for
+    the strides fake tensors had, which a value computed another way need
+    not have."""
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    return torch.fx.GraphModule(gm, graph)
+
+
 def _trace(gm, args, slots, n_storages, device, name):
     """Build the kernel that runs gm over the storages' arrays."""
+    # Each output gets the strides AOTAutograd traced it with (a saved
+    # activation that is a transpose stays one: backward's views rely on it).
+    (returned,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    metas = [r.meta.get("val") if isinstance(r, torch.fx.Node) else None
+             for r in (returned if isinstance(returned, (list, tuple)) else (returned,))]
     outputs = []
     written = []
+    checks = []
+    flag = bounds.flag_input(False, device)
 
     def fn(*arrays):
+        arrays, flag_in = arrays[:-1], arrays[-1]
         storages = [Storage(a, device) for a in arrays]
         inputs = []
         for a, slot in zip(args, slots):
@@ -82,29 +111,45 @@ def _trace(gm, args, slots, n_storages, device, name):
             else:
                 inputs.append(view_tensor(storages[slot], a.shape, a.stride(), a.storage_offset(),
                                           a._key))
-        previous = modes._current
+        previous, flag_before = modes._current, flag.array
+        first = len(bounds.unread_checks())
         modes._current = modes._executor("strict")  # ops add code to this trace, one by one
+        flag.assign(flag_in)  # index checks merge into the flag passed in
         try:
             with torch.no_grad():
                 results = gm(*inputs)
+            flag_out = flag.array
+            where = _compiled_call_line()
+            checks[:] = [bounds._Check(c.bound, c.func, where)
+                         for c in bounds.unread_checks()[first:]]
         finally:
             modes._current = previous
+            _forget_checks(first, device)
+            flag.assign(flag_before)
         outs = []
         outputs.clear()
-        for r in (results if isinstance(results, (list, tuple)) else (results,)):
+        for r, meta in zip(results if isinstance(results, (list, tuple)) else (results,), metas):
             if type(r) is TpuTensor:
-                outs.append(read_view(r._storage.array, r._view))
-                outputs.append(("t", r.dtype))
+                value = read_view(r._storage.array, r._view)
+                order = _physical_order(meta) if isinstance(meta, torch.Tensor) else None
+                if order is None:
+                    outputs.append(("t", r.dtype, None))
+                else:
+                    value = jnp.transpose(value, order)
+                    outputs.append(("t", r.dtype, (tuple(r.shape), tuple(meta.stride()))))
+                outs.append(value)
             elif isinstance(r, torch.Tensor):
                 raise _Unservable(f"a {r.device} tensor output")
             else:
-                outputs.append(("c", r))
+                outputs.append(("c", r, None))
         written.clear()
         new = []
         for slot, (st, array) in enumerate(zip(storages, arrays)):
             if st.array is not array:
                 written.append(slot)
                 new.append(st.array)
+        if checks:
+            outs.append(flag_out)
         return tuple(outs), tuple(new)
 
     specs = []
@@ -112,10 +157,32 @@ def _trace(gm, args, slots, n_storages, device, name):
         a = next(x for x, s in zip(args, slots) if s == slot)
         arr = a._storage.array
         specs.append(jax.ShapeDtypeStruct(arr.shape, arr.dtype))
+    specs.append(jax.ShapeDtypeStruct(flag.array.shape, flag.array.dtype))
     avals = jax.eval_shape(fn, *specs)  # traces once: outputs and written slots known
     kernel = Kernel(name, fn, None, tuple(written), device=device)
     kernel.avals = avals
-    return _Traced(kernel, slots, list(outputs))
+    return _Traced(kernel, slots, list(outputs), tuple(checks))
+
+
+def _compiled_call_line():
+    """(file, line) of the user's code that called the compiled function
+    (its first call, which traces it): what an index check names, rather
+    than the line of Dynamo's generated graph code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (errors.is_internal(name) or name.startswith("<eval_with_key>")):
+            return name, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
+
+
+def _forget_checks(first, device):
+    """Drop the index checks the trace noted (bounds keeps them per call of
+    the kernel instead, through note_replayed): they ran on tracers."""
+    del bounds._unread[first:]
+    f = bounds._flags_of(device)
+    f.positions = [p for p in f.positions if p < first]
 
 
 class _Unservable(Exception):
@@ -126,7 +193,7 @@ class CompiledGraph:
     """A callable for AOTAutograd: gm as one XLA computation per kind of call."""
 
     def __init__(self, gm, name):
-        self.gm = gm
+        self.gm = _as_values(gm)
         self.name = name
         self.traced = {}
         self.eager_reason = _fallback_reason(gm)
@@ -164,16 +231,31 @@ class CompiledGraph:
 
 def _run(traced, storages):
     kernel = traced.kernel
-    outs, written = modes._current.run(kernel, [st.array for st in storages], storages)
+    ex = modes._current
+    flag = bounds.flag_input(False, kernel.device)
+    outs, written = ex.run(kernel, [st.array for st in storages] + [flag.array],
+                           storages + [flag])
     for slot, array in zip(kernel.written_slots, written):
         storages[slot].assign(array)
+    if traced.checks:
+        outs = list(outs)
+        new_flag = outs.pop()
+        produced = [storages[slot] for slot in kernel.written_slots]
     results, it = [], iter(outs)
-    for kind, value in traced.outputs:
-        if kind == "t":
+    for kind, value, layout in traced.outputs:
+        if kind != "t":
+            results.append(value)
+        elif layout is None:
             o = next(it)
             results.append(whole_tensor(Storage(o, kernel.device), tuple(o.shape), value))
         else:
-            results.append(value)
+            shape, strides = layout
+            results.append(TpuTensor(Storage(next(it), kernel.device), shape, value, strides))
+    if traced.checks:
+        produced += [r._storage for r in results if type(r) is TpuTensor]
+        bounds.note_replayed(traced.checks, new_flag, storages, produced, kernel.device)
+        if ex.name == "debug":
+            bounds.check()  # debug mode raises at the call that went out of range
     return results
 
 
