@@ -209,8 +209,14 @@ class CompiledGraph:
     def __call__(self, *args):
         if self.eager_reason is not None:
             return self.gm(*args)
+        if any(isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) for a in args):
+            # Called while something traces it (symbolic sizes): as eager code.
+            return self.gm(*args)
         key, storages, slots = _call_key(args)
-        traced = self.traced.get(key)
+        try:
+            traced = self.traced.get(key)
+        except TypeError:  # a symbolic size among the values (dynamic shapes)
+            return self._eager(args, "symbolic sizes")
         if traced is None:
             for a in args:
                 if isinstance(a, torch.Tensor) and type(a) is not TpuTensor:
