@@ -234,6 +234,21 @@ def test_module_forward_is_one_graph_and_one_computation(mode):
     assert counter.frame_count == 1  # the same guards held: nothing recompiled
 
 
+def test_reduce_overhead_mode_runs_one_computation():
+    """mode="reduce-overhead" takes the same path: one computation per call,
+    no op dispatched after the first."""
+    torch.manual_seed(0)
+    ref = _mlp()
+    compiled = torch.compile(copy.deepcopy(ref).to("tpu"), backend="tpu", mode="reduce-overhead")
+    x = torch.randn(4, 6)
+    compiled(x.to("tpu"))
+    xt = x.to("tpu")
+    metrics.reset()
+    out = compiled(xt)
+    assert metrics.snapshot()["ops_dispatched"] == 0
+    assert_same(out, ref(x).detach(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_compiled_training_matches_cpu(mode, model_name, optimizer):

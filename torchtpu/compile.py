@@ -36,10 +36,20 @@ _routing_warned = False
 _aot_backend = None
 
 
+# torch.compile's modes: each compiled graph is already one computation run
+# with no per-op host work, which is what "reduce-overhead" (CUDA graphs'
+# replay) asks for, so all of them take the same path.
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def tpu_backend(gm, example_inputs, mode=None):
     """Dynamo backend: a graph on tpu tensors becomes one XLA computation
     per AOTAutograd graph (forward, backward); any other graph runs as
     eager code."""
+    if mode not in MODES:
+        raise RuntimeError(f"torchtpu: unknown torch.compile mode {mode!r} for the "
+                           f"{DEVICE.type} backend; valid modes: "
+                           f"{', '.join(m for m in MODES if m)}")
     if not graph_uses_device(gm, example_inputs):
         return gm.forward
     global _aot_backend
