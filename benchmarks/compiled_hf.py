@@ -3,10 +3,10 @@ against the same model uncompiled: one AdamW training step of a tiny GPT-2
 built from a config, in strict and fused mode.
 
 Dynamo's graphs on tpu tensors go to the `tpu` backend (Inductor cannot serve
-the device), and each op on a tpu tensor is a graph break, so compiling can
-only cost: this measures how much. Both models warm up past Dynamo's
-recompile limit first; their steps then alternate, and each figure is the
-median of the repeats.
+the device), which makes each AOTAutograd graph one XLA computation; what
+Dynamo cannot capture of the model's code (graph breaks) runs as written.
+Both models warm up past Dynamo's recompile limit first; their steps then
+alternate, and each figure is the median of the repeats.
 """
 import logging
 import statistics

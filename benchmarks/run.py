@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torchtpu  # noqa: E402
 from amp import amp_training_steps  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
+from compiled import compiled_steps  # noqa: E402
 from compiled_hf import compiled_hf_step  # noqa: E402
 from distributed import all_reduce_bandwidth, ddp_step  # noqa: E402
 from common import table  # noqa: E402
@@ -40,7 +41,7 @@ DOC = os.path.join(ROOT, "docs", "performance.md")
 
 BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps": replay_steps,
               "amp_training_steps": amp_training_steps,
-              "compiled_hf_step": compiled_hf_step,
+              "compiled_steps": compiled_steps, "compiled_hf_step": compiled_hf_step,
               "cache_warm_start": cache_warm_start, "transfers": transfers,
               "index_check": index_check, "fused_adamw": fused_adamw,
               "all_reduce_bandwidth": all_reduce_bandwidth, "ddp_step": ddp_step}
