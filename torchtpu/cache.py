@@ -1,27 +1,25 @@
 """The one place that turns a JAX function plus a key into a compiled callable.
 
-Two tiers: an in-memory LRU of kernels over JAX's own persistent
-compilation cache on disk, which all modes and processes share.
+Two tiers: an in-memory LRU of kernels over a disk cache that all modes and
+processes share. On disk (`torchtpu/cache_files.py` keeps the files: trust,
+atomic writes, checked reads, read-only mode):
 
-The disk tier keeps JAX's entry format (`<key>-cache` files, written by JAX's
-`put_executable_and_time`), but torchtpu supplies the storage backend JAX
-writes through, because JAX's file cache has no read-only mode, writes entries
-in place (a killed or concurrent writer can leave a torn file), never
-overwrites an existing entry (a corrupted one would stay forever) and only
-notices garbage when deserialization fails. Here:
+- each per-op kernel has a record (`kernel-<key>-cache`): its abstract trace
+  (result shapes, dtypes and structure, what fused mode needs to record the
+  op) and, once strict or debug mode compiled it, its executable;
+- each fused graph's executable is stored (`program-<key>-cache`);
+- anything else torchtpu compiles (a user's kernel, a view read) goes through
+  JAX's persistent cache, in JAX's entry format, written through the same
+  checked storage.
 
-- each entry is written to a temporary file and renamed into place, next to a
-  small `<key>-check` file (sha256 of the entry, its compile time), also
-  written by rename; both renames happen under an exclusive `flock` and reads
-  take a shared one, so a reader always sees a matching pair;
-- an entry whose check is missing or does not match is a miss: JAX compiles
-  again and the put overwrites it (one warning per process);
-- `TORCHTPU_CACHE_READONLY=1` reads and never writes;
-- a directory that cannot be written degrades to memory only, with one warning;
-- entries are machine code this process runs, so only trusted ones are loaded
-  (see "trust" below): the directory and each file must be owned by the
-  current user, root or a uid in TORCHTPU_CACHE_TRUSTED_UIDS and writable by
-  nobody else. torchtpu creates directories 0700 and files 0600.
+The keys are torchtpu's own, stable across processes: the op and its
+arguments' specs (or the graph's ops and dataflow), the argument avals,
+torchtpu's code, the torch and JAX versions, the platform, devices and XLA
+flags. A warm start so neither traces nor lowers what it loads, as JAX's own
+cache must to compute its key. Each stored executable's module is named
+after its key: XLA's CPU runtime cannot hold two loaded executables of one
+module name and different code (one of them fails with "Function ... not
+found").
 
 Run `python -m torchtpu.cache info|clear [--dir D]` to inspect or empty a
 cache directory.
@@ -31,16 +29,12 @@ if __name__ == "__main__":  # python -m torchtpu.cache: use the package's module
     raise SystemExit(_main())
 
 import collections
-import contextlib
-import errno
 import hashlib
 import json
 import os
 import pathlib
-import secrets
-import stat
+import pickle
 import sys
-import threading
 import time
 import warnings
 
@@ -48,11 +42,10 @@ import jax
 from jax import monitoring
 
 from . import metrics
-
-try:
-    import fcntl
-except ImportError:  # no flock (Windows): renames alone keep entries whole
-    fcntl = None
+from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
+    CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, PROGRAM_PREFIX, STATS, TMP_PREFIX,
+    DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
+    disk_info, open_dir, open_disk, readonly, trusted_uids, untrusted_reason)
 
 if sys.argv[:1] == ["-m"]:
     # `python -m torchtpu.cache` imports the package (and so this module)
@@ -65,423 +58,6 @@ MEMORY_ENTRIES = int(os.environ.get("TORCHTPU_MEMORY_CACHE_ENTRIES", "8192"))
 # An OrderedDict in recency order: a hit costs one more C-level move.
 _memory = collections.OrderedDict()
 
-ENTRY_SUFFIX = "-cache"   # JAX's name for an entry
-CHECK_SUFFIX = "-check"   # torchtpu's integrity record beside it
-TMP_PREFIX = ".tmp-"
-LOCK_NAME = ".torchtpu.lock"
-_OWN_SUFFIXES = (ENTRY_SUFFIX, CHECK_SUFFIX, "-atime")
-
-
-# ---- location ----------------------------------------------------------------
-
-def _default_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "torchtpu")
-
-
-def cache_dir():
-    """The configured disk directory, or None when TORCHTPU_CACHE_DIR=off."""
-    value = os.environ.get("TORCHTPU_CACHE_DIR", "").strip()
-    if value.lower() == "off":
-        return None
-    return os.path.abspath(os.path.expanduser(value or _default_dir()))
-
-
-def readonly():
-    return os.environ.get("TORCHTPU_CACHE_READONLY", "").strip().lower() in ("1", "true", "yes")
-
-
-# ---- trust --------------------------------------------------------------------
-# Whoever can write an entry chooses code this process runs (the checksum
-# detects damage, not a writer who recomputes it). So the directory and every
-# file read from it must be owned by a trusted user and writable by nobody
-# else. Both are checked with fstat on the opened directory and files, and
-# files are opened relative to the opened directory (without following
-# links), so renaming things along the path after the check changes nothing.
-# The directory's parents need no check of their own: whoever can change a
-# parent can only swap in another directory, which is checked the same way.
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-
-
-def trusted_uids():
-    """The owners whose entries are loaded: the current user, root (who can
-    write anything anyway) and the uids in TORCHTPU_CACHE_TRUSTED_UIDS
-    (comma- or space-separated), for a shared cache another account filled."""
-    uids = {os.geteuid(), 0}
-    for part in os.environ.get("TORCHTPU_CACHE_TRUSTED_UIDS", "").replace(",", " ").split():
-        try:
-            uids.add(int(part))
-        except ValueError:
-            _warn_once("uids", f"torchtpu: TORCHTPU_CACHE_TRUSTED_UIDS: {part!r} is not a "
-                       "numeric uid; ignored")
-    return uids
-
-
-def _user(uid):
-    try:
-        import pwd
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except (ImportError, KeyError):
-        return f"uid {uid}"
-
-
-def untrusted_reason(st, uids):
-    """Why a file or directory with this stat result is not trusted, or None."""
-    if st.st_uid not in uids:
-        return (f"owned by {_user(st.st_uid)}, not by you ({_user(os.geteuid())}), root "
-                "or a uid in TORCHTPU_CACHE_TRUSTED_UIDS")
-    writers = [who for bit, who in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others"))
-               if st.st_mode & bit]
-    if writers:
-        return f"writable by {' and '.join(writers)} (mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
-class Untrusted(Exception):
-    """A cache file that is not loaded: its path and why."""
-
-
-def _read_trusted(dir_fd, dir_path, name, uids):
-    """The bytes of name in the opened directory, if its file is trusted."""
-    path = os.path.join(dir_path, name)
-    try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise Untrusted(f"{path} is a symbolic link") from None
-        raise
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        why = "not a regular file" if not stat.S_ISREG(st.st_mode) else untrusted_reason(st, uids)
-        if why:
-            raise Untrusted(f"{path} is {why}")
-        return f.read()
-
-
-def open_dir(path, read_only):
-    """(fd of the opened cache directory, None), or (None, why it is not
-    used). A writable cache's missing directories are made, mode 0700."""
-    if not read_only:
-        try:
-            _make_private_dirs(path)
-        except OSError as e:
-            return None, (f"cache directory {path} is not writable ({type(e).__name__}: {e}); "
-                          "compiled kernels are kept in memory only")
-    try:
-        fd = os.open(path, os.O_RDONLY | _DIRECTORY)
-    except OSError as e:
-        what = "does not exist" if isinstance(e, FileNotFoundError) else \
-            f"cannot be opened ({type(e).__name__}: {e})"
-        return None, (f"{'read-only ' if read_only else ''}cache directory {path} {what}; "
-                      "compiled kernels are kept in memory only")
-    why = untrusted_reason(os.fstat(fd), trusted_uids())
-    if why is not None:
-        why = (f"not using the compilation cache in {path}: the directory is {why}. Its "
-               "entries are compiled code this process would run, so they are only loaded "
-               "from a directory nobody else can write (`chmod go-w` it, or set a "
-               "TORCHTPU_CACHE_DIR of your own)")
-    elif not read_only and not _probe_writable(fd):
-        why = (f"cache directory {path} is not writable (TORCHTPU_CACHE_READONLY=1 reads "
-               "it without writing)")
-    if why is not None:
-        os.close(fd)
-        return None, why + "; compiled kernels are kept in memory only"
-    return fd, None
-
-
-def _make_private_dirs(path):
-    """mkdir -p, each new directory 0700 whatever the umask."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)  # the umask can only take bits away from 0700
-        except FileExistsError:  # made meanwhile by another process
-            continue
-        os.chmod(d, 0o700)
-
-
-# ---- plain file operations (also used by the command line) ------------------
-
-def _sha256(data):
-    return hashlib.sha256(data).hexdigest()
-
-
-def _create_private(name, dir_fd, exclusive=True):
-    """Open name in the directory for writing, created mode 0600 whatever
-    the umask; returns the fd."""
-    flags = os.O_WRONLY | os.O_CREAT | _NOFOLLOW | (os.O_EXCL if exclusive else 0)
-    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-    try:
-        os.fchmod(fd, 0o600)
-    except OSError:  # an existing file of another owner (only opened to lock)
-        pass
-    return fd
-
-
-@contextlib.contextmanager
-def _locked(dir_fd, exclusive):
-    """flock on the directory's lock file. Readers never create it (a
-    read-only run writes nothing); with no lock file yet there is no locking
-    writer either, and a torn pair would still read as a miss."""
-    if fcntl is None:
-        yield
-        return
-    try:
-        if exclusive:
-            fd = _create_private(LOCK_NAME, dir_fd, exclusive=False)
-        else:
-            fd = os.open(LOCK_NAME, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def _write_tmp(dir_fd, data):
-    """data in a new temporary file, mode 0600, in the directory (same
-    filesystem, so a rename into place is atomic); returns its name."""
-    name = TMP_PREFIX + secrets.token_hex(12)
-    fd = _create_private(name, dir_fd)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    except BaseException:
-        _unlink(name, dir_fd)
-        raise
-    return name
-
-
-def _unlink(name, dir_fd=None):
-    try:
-        os.remove(name, dir_fd=dir_fd)
-    except OSError:
-        pass
-
-
-def _probe_writable(dir_fd):
-    try:
-        _unlink(_write_tmp(dir_fd, b""), dir_fd)
-        return True
-    except OSError:
-        return False
-
-
-def disk_info(path):
-    """Entries (JAX's executables), stored programs (fused graphs), bytes and
-    leftover temporary files in a cache directory."""
-    info = {"dir": path, "exists": bool(path) and os.path.isdir(path), "entries": 0,
-            "programs": 0, "bytes": 0, "unverified_entries": 0, "temp_files": 0}
-    if not info["exists"]:
-        return info
-    names = set()
-    for e in os.scandir(path):
-        try:
-            if e.name.startswith(TMP_PREFIX):
-                info["temp_files"] += 1
-            elif e.name.endswith(ENTRY_SUFFIX):
-                info["programs" if e.name.startswith(PROGRAM_PREFIX) else "entries"] += 1
-                info["bytes"] += e.stat().st_size
-            elif e.name.endswith(CHECK_SUFFIX):
-                info["bytes"] += e.stat().st_size
-            names.add(e.name)
-        except OSError:  # removed meanwhile by another process
-            pass
-    info["unverified_entries"] = sum(
-        1 for n in names if n.endswith(ENTRY_SUFFIX)
-        and n[:-len(ENTRY_SUFFIX)] + CHECK_SUFFIX not in names)
-    return info
-
-
-def clear_disk(path):
-    """Remove the cache's own files (entries, checks, temporaries) from path;
-    anything else there is left alone. Returns how many files went."""
-    try:
-        dir_fd = os.open(path, os.O_RDONLY | _DIRECTORY) if path else None
-    except OSError:
-        return 0
-    if dir_fd is None:
-        return 0
-    removed = 0
-    try:
-        with _locked(dir_fd, exclusive=True):
-            for e in os.scandir(dir_fd):
-                if e.name.startswith(TMP_PREFIX) or e.name.endswith(_OWN_SUFFIXES):
-                    try:
-                        os.remove(e.name, dir_fd=dir_fd)
-                        removed += 1
-                    except OSError:
-                        pass
-    finally:
-        os.close(dir_fd)
-    return removed
-
-
-def _remove_stale_temps(dir_fd, older_than=3600.0):
-    """Temporaries left by killed writers (never read; only take space)."""
-    now = time.time()
-    try:
-        for e in os.scandir(dir_fd):
-            if e.name.startswith(TMP_PREFIX):
-                try:
-                    if now - e.stat(follow_symlinks=False).st_mtime > older_than:
-                        os.remove(e.name, dir_fd=dir_fd)
-                except OSError:
-                    pass
-    except OSError:
-        pass
-
-
-# ---- counters ------------------------------------------------------------------
-
-class _Stats:
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.memory_misses = 0
-        self.disk_corrupt = 0
-        self.disk_untrusted = 0
-        self.compile_seconds_saved = 0.0
-        self.disk_load_seconds = 0.0
-        self.programs_loaded = 0
-
-    def snapshot(self):
-        return {"memory_cache_misses": self.memory_misses,
-                "disk_cache_corrupt": self.disk_corrupt,
-                "disk_cache_untrusted": self.disk_untrusted,
-                "compile_seconds_saved": round(self.compile_seconds_saved, 6),
-                "disk_load_seconds": round(self.disk_load_seconds, 6),
-                "programs_loaded": self.programs_loaded}
-
-
-STATS = _Stats()
-metrics.register_provider(STATS.snapshot, STATS.reset)
-
-# Per thread (JAX compiles in the calling thread): what the current
-# compile_or_get_cached call found on disk.
-_tl = threading.local()
-_warned = set()
-
-
-def _warn_once(what, message):
-    if what not in _warned:
-        _warned.add(what)
-        warnings.warn(message, stacklevel=3)
-
-
-# ---- the storage backend JAX writes through -----------------------------------
-
-try:
-    from jax._src import compilation_cache as _jax_cc
-    from jax._src.compilation_cache_interface import CacheInterface as _CacheInterface
-except ImportError:  # pragma: no cover - JAX moved its internals
-    _jax_cc = None
-    _CacheInterface = object
-
-
-class DiskCache(_CacheInterface):
-    """JAX's CacheInterface over one opened, trusted directory (dir_fd, from
-    open_dir): atomic, verified, optionally read-only. Values are JAX's
-    compressed entries, stored as JAX names them; only trusted files are read."""
-
-    def __init__(self, path, dir_fd, read_only=False):
-        self.dir = path
-        self.dir_fd = dir_fd
-        self._path = pathlib.Path(path)  # JAX logs it
-        self.read_only = read_only
-        self._write_failed = False
-        self._trusted = trusted_uids()
-
-    def get(self, key):
-        _tl.hit_compile_seconds = None
-        _tl.miss_at = time.monotonic()  # a miss is followed by a compile, then put()
-        try:
-            with _locked(self.dir_fd, exclusive=False):
-                value = _read_trusted(self.dir_fd, self.dir, key + ENTRY_SUFFIX, self._trusted)
-                check = json.loads(_read_trusted(self.dir_fd, self.dir, key + CHECK_SUFFIX,
-                                                 self._trusted))
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except Untrusted as e:
-            STATS.disk_untrusted += 1
-            _warn_once("untrusted", f"torchtpu: not loading compilation cache entry {e}; "
-                       "compiling instead" + ("" if self.read_only else " and replacing it")
-                       + " (further refused entries are counted in metrics "
-                       "disk_cache_untrusted)")
-            return None
-        except ValueError as e:  # the check file is not JSON
-            self._corrupt(key, f"{type(e).__name__}: {e}")
-            return None
-        except OSError as e:
-            _warn_once("read", f"torchtpu: cannot read the compilation cache in {self.dir} "
-                       f"({type(e).__name__}: {e}); compiling instead")
-            return None
-        if not isinstance(check, dict) or check.get("sha256") != _sha256(value) \
-                or check.get("size") != len(value):
-            self._corrupt(key, "contents do not match their checksum (truncated or garbled)")
-            return None
-        _tl.hit_compile_seconds = check.get("compile_seconds")
-        return value
-
-    def _corrupt(self, key, why):
-        STATS.disk_corrupt += 1
-        _warn_once("corrupt", f"torchtpu: compilation cache entry {key} in {self.dir} is "
-                   f"unreadable ({why}); compiling again and replacing it "
-                   "(further bad entries are counted in metrics disk_cache_corrupt)")
-
-    def put(self, key, value):
-        if self.read_only or self._write_failed:
-            return
-        miss_at = getattr(_tl, "miss_at", None)
-        compile_seconds = time.monotonic() - miss_at if miss_at is not None else None
-        check = json.dumps({"sha256": _sha256(value), "size": len(value),
-                            "compile_seconds": compile_seconds}).encode()
-        tmps = []
-        try:
-            tmps.append(_write_tmp(self.dir_fd, value))
-            tmps.append(_write_tmp(self.dir_fd, check))
-            with _locked(self.dir_fd, exclusive=True):
-                # The check first: a writer killed between the two renames
-                # leaves an old entry beside a new check, which reads as a miss.
-                self._rename(tmps[1], key + CHECK_SUFFIX)
-                self._rename(tmps[0], key + ENTRY_SUFFIX)
-            tmps.clear()
-        except OSError as e:
-            self._write_failed = True
-            _warn_once("write", f"torchtpu: cannot write the compilation cache in {self.dir} "
-                       f"({type(e).__name__}: {e}); compiled kernels are kept in memory only")
-        finally:
-            for t in tmps:
-                _unlink(t, self.dir_fd)
-
-    def _rename(self, src, dst):
-        os.replace(src, dst, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
-
-
-# ---- configuration -------------------------------------------------------------
-
-def open_disk(path, read_only):
-    """A DiskCache over path, or None after one warning saying why not (the
-    directory is missing, unwritable or not trusted)."""
-    dir_fd, why = open_dir(path, read_only)
-    if dir_fd is None:
-        warnings.warn(f"torchtpu: {why}", stacklevel=3)
-        return None
-    if not read_only:
-        _remove_stale_temps(dir_fd)
-    return DiskCache(path, dir_fd, read_only)
 
 
 def _configure_disk():
@@ -589,18 +165,17 @@ def jit(fn, name=None, donate_argnums=(), device=0):
     return jax.jit(fn, donate_argnums=donate_argnums)
 
 
-# ---- stored programs ------------------------------------------------------------
-# A fused graph's traced program, stored (beside JAX's entries) under a key
-# that is stable across processes: the graph's ops, argument shapes,
-# torchtpu's own code, the platform, devices and XLA flags. A warm start
-# loads it instead of tracing the graph op by op again.
-PROGRAM_PREFIX = "program-"
+# ---- stored executables and kernel records -------------------------------------
+# A record is a header line of JSON (the abstract trace: result structure,
+# shapes, dtypes) then, where there is one, the serialized executable.
+_RECORD_FORMAT = b"torchtpu-record-1\n"
 _source_version = None
+_lapack_ready = False
 
 
 def _source_digest():
-    """torchtpu's own code and the versions it runs on: a stored program is
-    only reused by the same lowerings."""
+    """torchtpu's own code and the versions it runs on: a record is only
+    reused by the same lowerings."""
     global _source_version
     if _source_version is None:
         import torch
@@ -613,52 +188,268 @@ def _source_digest():
     return _source_version
 
 
-def _program_context(args):
-    """What a stored executable is valid for besides the graph itself: the
-    platform and devices it was compiled for, and the flags XLA compiled it
-    with (JAX's own key covers these for its entries)."""
+def _avals_text(args):
+    return " ".join(f"{x.dtype}{list(x.shape)}{'w' if getattr(x, 'weak_type', False) else ''}"
+                    if hasattr(x, "shape") and hasattr(x, "dtype") else type(x).__name__
+                    for x in jax.tree_util.tree_leaves(args))
+
+
+def _context(args, device):
+    """What a record is valid for besides the function itself: the platform
+    and devices, the flags XLA compiles with and JAX's tracing options."""
     from . import runtime
     first = runtime.DEVICES[0]
     devices = sorted({str(d) for x in jax.tree_util.tree_leaves(args) if hasattr(x, "devices")
                       for d in x.devices()})
     return "\n".join([
         f"platform {runtime.PLATFORM} {first.client.platform_version} {first.device_kind} "
-        f"x{len(runtime.DEVICES)}",
+        f"x{len(runtime.DEVICES)} on {device}",
         f"devices {devices}",
+        f"matmul precision {jax.config.jax_default_matmul_precision} promotion "
+        f"{jax.config.jax_numpy_dtype_promotion}",
         *(f"{name}={os.environ.get(name, '')}" for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"))])
 
 
-def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0):
-    """jit(fn) for these args through a stored program: key_text describes fn
-    completely and the same way in every process (None: not storable).
+def _record_key(prefix, key_text, args, device):
+    text = "\n".join([_source_digest(), key_text, "args " + _avals_text(args),
+                      _context(args, device)])
+    return prefix + _sha256(text.encode())
 
-    What is stored is the traced program (StableHLO, via jax.export), and
-    JAX's persistent cache then finds the executable compiled from it. Not
-    the executable itself (jax.experimental.serialize_executable): XLA's CPU
-    runtime cannot hold two loaded executables that share function names,
-    and one of them fails when it runs ("Function ... not found")."""
+
+def _disk():
+    """The DiskCache records go to, or None (memory only)."""
     store_ = _jax_cc._cache if DISK_DIR is not None and _jax_cc is not None else None
-    if key_text is None or not isinstance(store_, DiskCache):
-        return jit(fn, name, donate_argnums, device)
-    key_text += f"\ndonate {tuple(donate_argnums)}\n{_program_context(args)}"
-    from jax import export
-    key = PROGRAM_PREFIX + _sha256((_source_digest() + "\n" + key_text).encode())
-    blob = store_.get(key)
-    if blob is not None:
-        try:
-            program = export.deserialize(bytearray(blob))
-            STATS.programs_loaded += 1
-            return jit(program.call, None, donate_argnums, device)
-        except Exception as e:  # a damaged program: trace again and replace it
-            store_._corrupt(key, f"{type(e).__name__}: {e}")
-    jitted = jit(fn, name, donate_argnums, device)
+    return store_ if isinstance(store_, DiskCache) else None
+
+
+def _encode_tree(template):
+    """A kernel's out_tree (see dispatch.kernels._flatten) as JSON."""
+    if template is ...:
+        return "x"
+    if template is None:
+        return None
+    kind, items = template
+    if kind is not tuple and kind is not list:
+        raise TypeError(f"result structure {kind.__name__} is not stored")
+    return [kind.__name__, [_encode_tree(t) for t in items]]
+
+
+def _decode_tree(data):
+    if data == "x":
+        return ...
+    if data is None:
+        return None
+    kind, items = data
+    return ({"tuple": tuple, "list": list}[kind], [_decode_tree(t) for t in items])
+
+
+def _trace_header(out_tree, avals):
+    """The abstract trace as JSON, or None when some part does not round-trip."""
     try:
-        program = export.export(jitted)(*args)
-        blob = program.serialize()
-    except Exception:  # not exportable (a custom call without a stable form)
-        return jitted
-    store_.put(key, bytes(blob))
-    return jit(program.call, None, donate_argnums, device)
+        parts = [[[list(a.shape), str(a.dtype)] for a in part] for part in avals]
+        if any(jax.numpy.dtype(d) != a.dtype for part, p in zip(avals, parts)
+               for a, (_, d) in zip(part, p)):
+            return None
+        return {"out_tree": _encode_tree(out_tree), "avals": parts}
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _decode_avals(header):
+    """(result avals, written avals) from a header; raises on anything else."""
+    outs, written = header["avals"]
+    return tuple(tuple(jax.ShapeDtypeStruct(tuple(int(n) for n in shape), jax.numpy.dtype(d))
+                       for shape, d in part) for part in (outs, written))
+
+
+def _encode(header, compiled=None):
+    """A record's bytes: the header, then compiled's executable (if given
+    and serializable)."""
+    tail = b""
+    if compiled is not None:
+        from jax.experimental import serialize_executable
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+        except (ValueError, NotImplementedError):  # host callbacks, closed-over constants
+            pass
+        else:
+            trees = pickle.dumps((in_tree, out_tree))
+            header = dict(header, trees=len(trees), results=_results_text(compiled))
+            tail = trees + payload
+    return _RECORD_FORMAT + json.dumps(header).encode() + b"\n" + tail
+
+
+def _decode(blob):
+    """(header, the rest) of a record; ValueError for anything else."""
+    if not blob.startswith(_RECORD_FORMAT):
+        raise ValueError("not a record of this torchtpu")
+    end = blob.index(b"\n", len(_RECORD_FORMAT))
+    header = json.loads(blob[len(_RECORD_FORMAT):end])
+    if not isinstance(header, dict):
+        raise ValueError("a record's header is not an object")
+    return header, blob[end + 1:]
+
+
+def _load_executable(header, rest):
+    """The jax.stages.Compiled a record holds."""
+    global _lapack_ready
+    from jax.experimental import serialize_executable
+    if not _lapack_ready:
+        # An executable calls LAPACK through handlers JAX sets up while it
+        # lowers a linear-algebra op; a loaded one needs them too.
+        from jax._src.lax import linalg
+        linalg.initialize_lapack()
+        _lapack_ready = True
+    n = header["trees"]
+    in_tree, out_tree = pickle.loads(rest[:n])
+    return serialize_executable.deserialize_and_load(bytes(rest[n:]), in_tree, out_tree)
+
+
+def _compile(fn, name, key, args, donate_argnums, device):
+    """fn compiled for args, its module named after its record's key, past
+    JAX's own disk entries (the record holds the executable). JAX still
+    counts the miss and the compilation."""
+    jitted = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device)
+    _tl.bypass = True
+    try:
+        return jitted.lower(*args).compile()
+    finally:
+        _tl.bypass = False
+
+
+def _read(disk, key):
+    """A record's (header, rest), or (None, None) when missing or refused
+    (a damaged one is counted and warned about by the store)."""
+    blob = disk.get(key)
+    if blob is None:
+        return None, None
+    try:
+        return _decode(blob)
+    except (ValueError, UnicodeDecodeError) as e:
+        disk._corrupt(key, f"{type(e).__name__}: {e}")
+        return None, None
+
+
+def _results_text(compiled):
+    return " ".join(f"{a.dtype}{list(a.shape)}" for a in jax.tree_util.tree_leaves(compiled.out_info))
+
+
+def _loaded(disk, key, header, rest, started):
+    """The executable of a record read at started, counted as a disk hit; or
+    None (counted as damaged) when it does not load or its results are not
+    the ones its header names."""
+    try:
+        compiled = _load_executable(header, rest)
+        if _results_text(compiled) != header.get("results"):
+            raise ValueError("its results are not the ones its record names")
+    except Exception as e:  # damaged or stale: compile again and replace it
+        disk._corrupt(key, f"{type(e).__name__}: {str(e)[:200]}")
+        return None
+    took = time.monotonic() - started
+    metrics.M.disk_cache_hits += 1
+    STATS.disk_load_seconds += took
+    saved = getattr(_tl, "hit_compile_seconds", None)
+    if saved is not None:
+        STATS.compile_seconds_saved += max(saved - took, 0.0)
+    return compiled
+
+
+class _FirstCall:
+    """A callable that becomes resolve(args) at its first call."""
+    __slots__ = ("resolve", "call")
+
+    def __init__(self, resolve):
+        self.resolve = resolve
+        self.call = None
+
+    def __call__(self, *args):
+        if self.call is None:
+            self.call = self.resolve(args)
+        return self.call(*args)
+
+
+def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0):
+    """jit(fn) for arguments like args (a fused graph's) through a stored
+    executable: key_text describes fn completely and the same way in every
+    process (None: not storable). Loads or compiles at the first call."""
+    disk = _disk()
+    if key_text is None or disk is None:
+        return jit(fn, name, donate_argnums, device)
+    name = name or fn.__name__
+    key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
+
+    def resolve(call_args):
+        started = time.monotonic()
+        header, rest = _read(disk, key)
+        if header is not None and "trees" in header:
+            compiled = _loaded(disk, key, header, rest, started)
+            if compiled is not None:
+                STATS.programs_loaded += 1
+                return compiled
+        compiled = _compile(fn, name, key, call_args, donate_argnums, device)
+        disk.put(key, _encode({}, compiled))
+        return compiled
+    return _FirstCall(resolve)
+
+
+def jit_kernel(owner, fn, name, device=0):
+    """The callable owner.jitted starts as, for a per-op kernel: at its first
+    call it becomes the kernel's executable, loaded from its record (which
+    also gives owner.out_tree, what tracing fn would have set) or compiled
+    and stored there. owner: a dispatch Kernel (stable_key, out_tree, avals)."""
+    disk = _disk()
+    if owner.stable_key is None or disk is None:
+        return jit(fn, name, device=device)
+
+    def first_call(*args):
+        owner.jitted = _kernel_executable(disk, owner, fn, name, device, args)
+        return owner.jitted(*args)
+    return first_call
+
+
+def _kernel_executable(disk, owner, fn, name, device, args):
+    key = _record_key(KERNEL_PREFIX, owner.stable_key, args, device)
+    started = time.monotonic()
+    header, rest = _read(disk, key)
+    if header is not None and "trees" in header:
+        compiled = _loaded(disk, key, header, rest, started)
+        if compiled is not None:
+            try:
+                owner.out_tree = _decode_tree(header["out_tree"])
+            except (KeyError, TypeError, ValueError) as e:
+                disk._corrupt(key, f"{type(e).__name__}: {e}")
+            else:
+                STATS.kernels_loaded += 1
+                return compiled
+    compiled = _compile(fn, name, key, args, (), device)  # tracing fn sets owner.out_tree
+    header = _trace_header(owner.out_tree, compiled.out_info)
+    if header is not None:
+        disk.put(key, _encode(header, compiled))
+    return compiled
+
+
+def eval_shape_kernel(owner, args):
+    """jax.eval_shape(owner.fn, *args) for a per-op kernel (fused mode's
+    abstract trace), through its record; sets owner.out_tree."""
+    disk = _disk()
+    if owner.stable_key is None or disk is None:
+        return jax.eval_shape(owner.fn, *args)
+    key = _record_key(KERNEL_PREFIX, owner.stable_key, args, owner.device)
+    header, _ = _read(disk, key)
+    if header is not None:
+        try:
+            avals = _decode_avals(header)
+            owner.out_tree = _decode_tree(header["out_tree"])
+        except (KeyError, TypeError, ValueError) as e:
+            disk._corrupt(key, f"{type(e).__name__}: {e}")
+        else:
+            STATS.traces_loaded += 1
+            return avals
+    avals = jax.eval_shape(owner.fn, *args)
+    header = _trace_header(owner.out_tree, avals)
+    if header is not None:
+        disk.put(key, _encode(header))
+    return avals
 
 
 def stats():
@@ -678,6 +469,9 @@ def stats():
         "disk_entries": info.get("entries", 0),
         "disk_programs": info.get("programs", 0),
         "programs_loaded": STATS.programs_loaded,
+        "disk_kernels": info.get("kernels", 0),
+        "kernels_loaded": STATS.kernels_loaded,
+        "traces_loaded": STATS.traces_loaded,
         "disk_bytes": info.get("bytes", 0),
         "compilations": m.compilations,
         "compile_seconds": round(m.compile_seconds, 6),
@@ -732,6 +526,7 @@ def _main(argv=None):
     print(f"dir                 {path}{'' if info['exists'] else ' (does not exist)'}")
     print(f"entries             {info['entries']}")
     print(f"stored programs     {info['programs']}")
+    print(f"kernel records      {info['kernels']}")
     print(f"bytes               {info['bytes']} ({_human(info['bytes'])})")
     print(f"unverified entries  {info['unverified_entries']}")
     print(f"temporary files     {info['temp_files']}")

@@ -37,7 +37,8 @@ class Kernel:
         # The storages an in-place op writes, in the order fn returns them.
         self.written_slots = written_slots
         self.avals = None  # output avals, filled by fused mode on first use
-        self.jitted = cache.jit(fn, name=_kernel_name(name), device=device)
+        # Loaded from its record or compiled, at its first call.
+        self.jitted = cache.jit_kernel(self, fn, _kernel_name(name), device)
 
 
 def _kernel_name(name):

@@ -302,7 +302,7 @@ def _abstract(kernel, flat):
     avals = kernel.avals
     if avals is None:
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in flat]
-        avals = kernel.avals = jax.eval_shape(kernel.fn, *specs)
+        avals = kernel.avals = cache.eval_shape_kernel(kernel, specs)  # (through its record)
     return avals
 
 
