@@ -135,21 +135,22 @@ def _install_optimizer_check():
     """Optimizers whose state steps live on the host unless capturable=True
     (Adam, AdamW, ...) check for capture on CUDA and XPU only: make the same
     check raise on tpu, since their host-side bias corrections would be
-    captured as constants and every replay would use the first step's."""
+    captured as constants and every replay would use the first step's. A
+    global step pre-hook (public since torch 2.0), not the optimizers'
+    private health check, so that other torch versions keep it."""
     global _OPTIMIZER_CHECKED
     if _OPTIMIZER_CHECKED:
         return
     _OPTIMIZER_CHECKED = True
-    from torch.optim.optimizer import Optimizer
-    original = Optimizer._accelerator_graph_capture_health_check
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    def check(self):
-        if _capturing is not None and not all(g.get("capturable", True) for g in self.param_groups):
+    def check(optimizer, args, kwargs):
+        if _capturing is not None and not all(g.get("capturable", True)
+                                              for g in optimizer.param_groups):
             raise RuntimeError("Attempting TPU graph capture of step() for an instance of "
-                               f"{type(self).__name__} but param_groups' capturable is False.")
-        original(self)
+                               f"{type(optimizer).__name__} but param_groups' capturable is False.")
 
-    Optimizer._accelerator_graph_capture_health_check = check
+    register_optimizer_step_pre_hook(check)
 
 
 def make_graphed_callables(callables, sample_args, num_warmup_iters=3, allow_unused_input=False,
