@@ -1,21 +1,20 @@
-"""torch.compile with tpu tensors.
+"""torch.compile with tpu tensors: what Dynamo, fake tensors and Inductor
+need to be told about the device.
 
-TorchDynamo cannot put tpu tensors in its graphs: it traces tensor subclasses
-only through their inner tensors, and a TpuTensor's data is a JAX array. An op
-on a tpu tensor is therefore a graph break, and Dynamo runs it as written, in
-the current eager mode (fused mode fuses those ops as usual). Four things
-make that work:
-
+- Dynamo wraps a tpu tensor as a plain tensor (its fake tensor is a plain
+  FakeTensor on the device), so ops on tpu tensors are not graph breaks;
+  fake tensor mode makes no real tpu tensor while tracing; a tpu tensor
+  stands for the plain tangent AOTAutograd expects.
 - Dynamo must not trace torchtpu's or JAX's own Python code (it would rewrite
   the dispatcher's frames and break JAX's tracing): both are on its skip list.
-- The `tpu` backend, `torch.compile(model, backend="tpu")`, runs the graphs
-  Dynamo does capture through torchtpu's dispatcher, op by op in the current
-  eager mode, whatever device their tensors are on.
+- The `tpu` backend, `torch.compile(model, backend="tpu")`, gives each graph
+  on tpu tensors to AOTAutograd, whose forward, backward and inference
+  graphs become one XLA computation each (torchtpu.compiled); a graph on
+  other devices only runs as eager code.
 - Inductor, the default backend, cannot generate code for this device. A graph
-  that makes or takes tpu tensors (a factory with device="tpu" in the compiled
-  code, as transformer models have for positions and masks) given to
-  `torch.compile`'s Inductor goes to the `tpu` backend instead, with one
-  warning per process; every other graph is Inductor's as before.
+  that makes or takes tpu tensors given to `torch.compile`'s Inductor goes
+  to the `tpu` backend instead, with one warning per process; every other
+  graph is Inductor's as before.
 - Any other way into Inductor's code generation for the device (its own `tpu`
   code generator is for another package's tensors) fails with an error
   naming the `tpu` backend, instead of a missing module.
@@ -134,8 +133,8 @@ def _routing_inductor_call(inductor_call):
             _routing_warned = True
             warnings.warn(
                 f"torchtpu: Inductor (torch.compile's default backend) cannot generate code for "
-                f"{DEVICE.type} tensors; graphs that make or take them run through "
-                f"torchtpu in the current eager mode instead, as with "
+                f"{DEVICE.type} tensors; graphs that make or take them are compiled by "
+                f"torchtpu instead, as with "
                 f"torch.compile(..., backend=\"{DEVICE.type}\"), which says so explicitly",
                 stacklevel=_user_stacklevel())
         return tpu_backend(model_, inputs_)
@@ -151,8 +150,8 @@ class _NoInductorCode:
     def __init__(self, *args, **kwargs):
         raise RuntimeError(
             f"torchtpu: Inductor cannot generate code for {DEVICE.type} tensors; compile with "
-            f"torch.compile(..., backend=\"{DEVICE.type}\"), which runs the captured graph in "
-            "torchtpu's current eager mode (fused mode fuses it)")
+            f"torch.compile(..., backend=\"{DEVICE.type}\"), which compiles the captured graph "
+            "with torchtpu's own lowerings")
 
     @classmethod
     def get_backend_features(cls, device):
