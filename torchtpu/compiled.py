@@ -29,6 +29,7 @@ from . import bounds, errors, modes
 import jax.numpy as jnp
 
 from .dispatch.kernels import Kernel, _physical_order
+from .modes.strict import StrictExecutor
 from .tensor import Storage, TpuTensor, read_view, view_tensor, whole_tensor
 
 # Why graphs ran op by op, by reason: what a user (or a test) can inspect.
@@ -113,7 +114,7 @@ def _trace(gm, args, slots, n_storages, device, name):
                                           a._key))
         previous, flag_before = modes._current, flag.array
         first = len(bounds.unread_checks())
-        modes._current = modes._executor("strict")  # ops add code to this trace, one by one
+        modes._current = _TRACING  # ops add their code to this trace, one by one
         flag.assign(flag_in)  # index checks merge into the flag passed in
         try:
             with torch.no_grad():
@@ -162,6 +163,18 @@ def _trace(gm, args, slots, n_storages, device, name):
     kernel = Kernel(name, fn, None, tuple(written), device=device)
     kernel.avals = avals
     return _Traced(kernel, slots, list(outputs), tuple(checks))
+
+
+class _TracingExecutor(StrictExecutor):
+    """The executor while a graph is traced: each op's kernel function is
+    inlined into the one function being traced (as fused mode's graphs do),
+    not called as its own executable."""
+
+    def run(self, kernel, flat, storages):
+        return kernel.fn(*flat)
+
+
+_TRACING = _TracingExecutor()
 
 
 def _compiled_call_line():
