@@ -19,15 +19,17 @@ from common import alternating_ms, timings
 
 # ---- models ----------------------------------------------------------------
 
-def mlp():
-    return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
-                               torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-                               torch.nn.Linear(1024, 10))
+def mlp(sizes=(784, 1024, 1024, 10)):
+    a, b, c, d = sizes
+    return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU(),
+                               torch.nn.Linear(b, c), torch.nn.ReLU(),
+                               torch.nn.Linear(c, d))
 
 
-def mlp_batch():
+def mlp_batch(batch=128, features=784, classes=10):
     g = torch.Generator().manual_seed(0)
-    return torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)
+    return (torch.randn(batch, features, generator=g),
+            torch.randint(0, classes, (batch,), generator=g))
 
 
 class TinyGPT(torch.nn.Module):
@@ -45,13 +47,13 @@ class TinyGPT(torch.nn.Module):
         return self.head(self.blocks(h, mask=self.mask, is_causal=True))
 
 
-def gpt_batch():
+def gpt_batch(batch=8, seq=128, vocab=512):
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 512, (8, 129), generator=g)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous()
 
 
-def _loss_step(model, opt, x, y):
+def loss_step(model, opt, x, y):
     opt.zero_grad(set_to_none=True)
     out = model(x)
     loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y)
@@ -61,7 +63,7 @@ def _loss_step(model, opt, x, y):
 
 
 def _torch_step(model, opt, x, y):
-    return lambda: _loss_step(model, opt, x, y).item()
+    return lambda: loss_step(model, opt, x, y).item()
 
 
 def step_fn(make_model, make_batch, mode, device="tpu"):
@@ -103,14 +105,14 @@ def jax_mlp_step(repeats=5):
     return timings(jax_mlp_step_fn(), repeats, warmup=2)[0] * 1e3
 
 
-def jax_mlp_step_fn(device=None):
+def jax_mlp_step_fn(make_model=mlp, make_batch=mlp_batch, device=None):
     """The MLP step as one jax.jit function (forward, backward, AdamW), as
     run(): the compiled limit fused mode aims at. device: a JAX device (its
     default one if None)."""
     torch.manual_seed(0)
-    model = mlp()
+    model = make_model()
     params = [jax.device_put(p.detach().numpy(), device) for p in model.parameters()]
-    x, y = mlp_batch()
+    x, y = make_batch()
     x, y = jax.device_put(x.numpy(), device), jax.device_put(y.numpy(), device)
 
     def loss_fn(ps):
@@ -192,10 +194,10 @@ def replayed_step_fn(make_model, make_batch, mode="strict", device="tpu", warmup
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
         x, y = x.to(device), y.to(device)
         for _ in range(warmup):
-            _loss_step(model, opt, x, y)
+            loss_step(model, opt, x, y)
         g = torch.tpu.TPUGraph()
         with torch.tpu.graph(g):
-            loss = _loss_step(model, opt, x, y)
+            loss = loss_step(model, opt, x, y)
 
     def run():
         with torchtpu.eager_mode(mode):

@@ -1,0 +1,298 @@
+"""torchtpu on JAX's GPU backend beside PyTorch CUDA on the same GPU: one script
+sized for a 10-minute run on one GPU (an H200).
+
+It measures the per-op cost (benchmarks/per_op.py, plus PyTorch CUDA eager)
+and the AdamW training steps of the MLP and the small GPT of
+benchmarks/fused.py: torchtpu strict, fused, replayed (torch.tpu.graph) and
+compiled (`torch.compile(step, backend="tpu")`), the MLP as one jax.jit
+function, and PyTorch CUDA eager and `torch.compile` (Inductor). Each figure
+comes from its own subprocess with a timeout (a failure or a timeout is a
+row saying so, the rest still run), the median of several steps after
+warm-up. It prints markdown tables and, if $OUT is set, writes them and the
+raw figures to $OUT/gpu.json (and gpu.md).
+
+    python benchmarks/gpu.py            # on the GPU machine
+    python benchmarks/gpu.py --smoke    # tiny sizes, JAX on CPU, no CUDA rows
+
+It needs only torch, JAX (with its CUDA plugin on the GPU machine) and
+torchtpu's source tree (found from this file, or on PYTHONPATH).
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# Each step's sizes: the benchmark tables' (fused.py), and the smoke run's.
+SIZES = {
+    False: {"mlp": {"sizes": (784, 1024, 1024, 10), "batch": 128},
+            "gpt": {"vocab": 512, "d": 256, "heads": 4, "layers": 4, "seq": 128, "batch": 8},
+            "per_op": {"n_ops": 1000, "size": 128, "repeats": 9}, "repeats": {"mlp": 20, "gpt": 10}},
+    True: {"mlp": {"sizes": (16, 32, 32, 4), "batch": 8},
+           "gpt": {"vocab": 32, "d": 16, "heads": 2, "layers": 1, "seq": 8, "batch": 2},
+           "per_op": {"n_ops": 20, "size": 8, "repeats": 2}, "repeats": {"mlp": 2, "gpt": 2}},
+}
+MODELS = {"mlp": "MLP {sizes}, batch {batch}",
+          "gpt": "GPT {layers} layers d{d} h{heads}, seq {seq}, batch {batch}, vocab {vocab}"}
+TPU_MODES = ("strict", "fused", "replayed", "compiled")
+CUDA_MODES = ("cuda_eager", "inductor")
+COLUMNS = [("strict", "strict"), ("fused", "fused"), ("replayed", "replayed"),
+           ("compiled", "compiled (tpu backend)"), ("jax_jit", "jax.jit step"),
+           ("cuda_eager", "PyTorch CUDA eager"), ("inductor", "PyTorch Inductor")]
+RATIOS = [("fused", "cuda_eager"), ("replayed", "cuda_eager"), ("compiled", "cuda_eager"),
+          ("replayed", "inductor"), ("compiled", "inductor")]
+
+
+# ---- in a child process ---------------------------------------------------------
+
+def _makers(model, smoke):
+    import functools
+    import fused
+    size = SIZES[smoke][model]
+    if model == "mlp":
+        return (functools.partial(fused.mlp, size["sizes"]),
+                functools.partial(fused.mlp_batch, size["batch"], size["sizes"][0], size["sizes"][-1]))
+    spec = {k: size[k] for k in ("vocab", "d", "heads", "layers", "seq")}
+    return (functools.partial(fused.TinyGPT, **spec),
+            functools.partial(fused.gpt_batch, size["batch"], size["seq"], size["vocab"]))
+
+
+def _inductor_step_fn(make_model, make_batch, device):
+    """benchmarks/compiled.py's compiled step with PyTorch's default
+    backend (Inductor): the loss compiled (its backward by AOTAutograd),
+    optimizer.step() compiled, Adam's step counts on the device, as run()."""
+    import torch
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    x, y = (t.to(device) for t in make_batch())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=True)
+
+    @torch.compile(dynamic=False)
+    def loss_of(x, y):
+        out = model(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y)
+
+    opt_step = torch.compile(opt.step, dynamic=False)
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(x, y)
+        loss.backward()
+        opt_step()
+        return loss.item()
+    return run
+
+
+def _measure_step(model, mode, smoke):
+    import torch
+    import fused
+    from common import timings
+    make_model, make_batch = _makers(model, smoke)
+    repeats = SIZES[smoke]["repeats"][model]
+    warmup = 3
+    extra = {}
+    if mode in ("strict", "fused"):
+        run = fused.step_fn(make_model, make_batch, mode)
+    elif mode == "replayed":
+        run = fused.replayed_step_fn(make_model, make_batch)
+        extra["in_place"] = "%d of %d" % fused.in_place(run)
+    elif mode == "compiled":
+        import compiled
+        run, warmup = compiled.compiled_step_fn(make_model, make_batch), 6
+    elif mode == "jax_jit":
+        run = fused.jax_mlp_step_fn(make_model, make_batch)
+    elif mode == "cuda_eager":
+        run = fused.step_fn(make_model, make_batch, "torch", "cuda")
+    elif mode == "inductor":
+        run, warmup = _inductor_step_fn(make_model, make_batch, "cuda"), 6
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    start = time.perf_counter()
+    for _ in range(warmup):
+        run()
+    warm_s = time.perf_counter() - start
+    median, best = timings(run, repeats, warmup=0)
+    if mode in CUDA_MODES:
+        torch.cuda.synchronize()
+    return dict(extra, ms=median * 1e3, best_ms=best * 1e3, warmup_s=warm_s, repeats=repeats)
+
+
+def _measure_per_op(smoke):
+    import torch
+    import per_op
+    from common import timings
+    size = SIZES[smoke]["per_op"]
+    rows = per_op.per_op(**size)
+    if not smoke and torch.cuda.is_available():
+        y = torch.randn(size["size"], size["size"], device="cuda")
+
+        def run():
+            c = torch.zeros_like(y)
+            for _ in range(size["n_ops"]):
+                c = c + y
+            torch.cuda.synchronize()
+        median, best = timings(run, size["repeats"])
+        rows.insert(1, {"mode": "PyTorch CUDA eager", "median": median / size["n_ops"] * 1e6,
+                        "best": best / size["n_ops"] * 1e6})
+    return {"rows": rows}
+
+
+def _environment():
+    import jax
+    import torch
+    import torchtpu
+    env = {"torch": torch.__version__, "jax": jax.__version__,
+           "platform": torchtpu.runtime.PLATFORM,
+           "devices": [str(d) for d in torchtpu.runtime.DEVICES],
+           "device_kind": torchtpu.runtime.DEVICES[0].device_kind,
+           "cuda": torch.cuda.is_available(), "host_cores": os.cpu_count()}
+    if env["cuda"]:
+        env["cuda_device"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def child(spec):
+    sys.path[:0] = [ROOT, HERE]
+    if spec["what"] == "env":
+        return _environment()
+    if spec["what"] == "per_op":
+        return _measure_per_op(spec["smoke"])
+    return _measure_step(spec["model"], spec["mode"], spec["smoke"])
+
+
+# ---- the parent: one subprocess per figure ----------------------------------------
+
+def _child_env(spec):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    # Several processes take turns on one GPU: none keeps 75% of it.
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if spec["smoke"] or spec.get("mode") in CUDA_MODES:
+        # PyTorch's own rows leave the GPU to PyTorch (torchtpu is imported
+        # with the models, its JAX stays on the host).
+        env["TORCHTPU_PLATFORM"] = "cpu"
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run_child(spec, timeout):
+    """The child's result dict, or {"error": why}."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=_child_env(spec), cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - start
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[len("RESULT "):]), wall_s=wall)
+    lines = (proc.stderr or proc.stdout).strip().splitlines()
+    # The exception's line (JAX adds lines of its own after it).
+    raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line)]
+    return {"error": ((raised or lines)[-1] if lines else f"exit status {proc.returncode}")[:400]}
+
+
+def plan(smoke, cuda):
+    """The children to run, most telling first."""
+    specs = [{"what": "env"}, {"what": "per_op"}]
+    for model in ("mlp", "gpt"):
+        modes = TPU_MODES + (("jax_jit",) if model == "mlp" else ()) + (CUDA_MODES if cuda else ())
+        specs += [{"what": "step", "model": model, "mode": m} for m in modes]
+    for s in specs:
+        s["smoke"] = smoke
+    return specs
+
+
+def _cell(value, fmt="{:.2f}"):
+    if value is None:
+        return "—"
+    return fmt.format(value) if isinstance(value, float) else str(value)
+
+
+def tables(results, smoke):
+    """The markdown text of the per-op table and the training-step table."""
+    env = results.get("env", {})
+    lines = [f"torchtpu on JAX {env.get('jax', '?')} {env.get('platform', '?')} "
+             f"({env.get('device_kind', '?')}), torch {env.get('torch', '?')}"
+             + (f", PyTorch on {env['cuda_device']}" if env.get("cuda_device") else "")
+             + (" (smoke run: tiny sizes)" if smoke else "")
+             + (f"; the environment's child failed: {env['error']}" if "error" in env else ""), ""]
+    per_op = results.get("per_op", {})
+    lines += ["Per-op cost, µs per op (`c = c + y`, then one sync)", "",
+              "| mode | µs per op (median) | µs per op (best) |", "|---|---|---|"]
+    if "error" in per_op:
+        lines.append(f"| error: {per_op['error']} | — | — |")
+    for r in per_op.get("rows", []):
+        lines.append(f"| {r['mode']} | {r['median']:.1f} | {r['best']:.1f} |")
+    head = ["model"] + [t for _, t in COLUMNS] + [f"{a} / {b}" for a, b in RATIOS] + ["replay state in place"]
+    lines += ["", "AdamW training step, ms per step (median)", "",
+              "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    errors = []
+    for model in ("mlp", "gpt"):
+        steps = results.get("steps", {}).get(model, {})
+        ms = {m: r.get("ms") for m, r in steps.items()}
+        for m, r in steps.items():
+            if "error" in r:
+                errors.append(f"- {model} {m}: {r['error']}")
+        ratios = [ms[a] / ms[b] if ms.get(a) and ms.get(b) else None for a, b in RATIOS]
+        name = MODELS[model].format(**SIZES[smoke][model])
+        cells = ([name] + [_cell(ms.get(k)) for k, _ in COLUMNS]
+                 + [_cell(r, "{:.2f}x") for r in ratios]
+                 + [_cell(steps.get("replayed", {}).get("in_place"))])
+        lines.append("| " + " | ".join(cells) + " |")
+    if errors:
+        lines += ["", "Not measured:", ""] + errors
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, JAX on CPU, no PyTorch CUDA rows (a test of the script)")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds for the whole run (default 540: a 10-minute slot)")
+    parser.add_argument("--timeout", type=float, default=150.0, help="seconds per child")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        return
+    start = time.perf_counter()
+    env = run_child({"what": "env", "smoke": args.smoke}, args.timeout)
+    results = {"env": env, "steps": {}}
+    specs = plan(args.smoke, bool(env.get("cuda")) and not args.smoke)[1:]
+    for spec in specs:
+        left = args.budget - (time.perf_counter() - start)
+        if left < 20:
+            result = {"error": "not run: the time budget was spent"}
+        else:
+            result = run_child(spec, min(args.timeout, left))
+        if spec["what"] == "per_op":
+            results["per_op"] = result
+        else:
+            results["steps"].setdefault(spec["model"], {})[spec["mode"]] = result
+        print(f"[gpu.py {time.perf_counter() - start:.0f} s] {spec.get('model', spec['what'])} "
+              f"{spec.get('mode', '')}: {result.get('ms', result.get('error', 'done'))}",
+              file=sys.stderr, flush=True)
+    text = tables(results, args.smoke)
+    print(text)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        results["markdown"] = text
+        with open(os.path.join(out, "gpu.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(out, "gpu.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

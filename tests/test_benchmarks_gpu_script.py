@@ -1,0 +1,47 @@
+"""benchmarks/gpu.py, the GPU figures' script, runs here with --smoke (tiny
+sizes, JAX on CPU, no PyTorch CUDA rows): every torchtpu row of its tables is
+measured, and the JSON it writes to $OUT holds the same figures."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.py")
+
+
+def _row(text, first_cell):
+    rows = [line for line in text.splitlines() if line.startswith(f"| {first_cell}")]
+    assert len(rows) == 1, (first_cell, text)
+    return [cell.strip() for cell in rows[0].strip("|").split("|")]
+
+
+def test_gpu_script_smoke_run_fills_its_tables(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path))
+    proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--timeout", "240"],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "Not measured" not in text, text
+    for mode in ("PyTorch CPU eager", "torchtpu fused", "torchtpu strict", "torchtpu debug"):
+        cells = _row(text, mode)
+        assert float(cells[1]) > 0 and float(cells[2]) > 0, cells
+    assert "PyTorch CUDA eager" not in text  # no CUDA rows in a smoke run
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    assert results["env"]["platform"] == "cpu"
+    assert results["markdown"] == text.strip()
+    for model, first_cell in (("mlp", "MLP"), ("gpt", "GPT")):
+        cells = _row(text, first_cell)
+        steps = results["steps"][model]
+        # strict, fused, replayed, compiled (and the MLP's jax.jit step) measured.
+        for i, mode in enumerate(("strict", "fused", "replayed", "compiled", "jax_jit"), 1):
+            if mode == "jax_jit" and model == "gpt":
+                assert cells[i] == "—"
+                continue
+            assert steps[mode]["ms"] > 0, (model, mode, steps[mode])
+            assert abs(float(cells[i]) - steps[mode]["ms"]) <= 0.0051
+        assert cells[6] == cells[7] == "—"  # PyTorch CUDA eager and Inductor
+        # Every parameter and optimizer-state tensor updated in its own buffer.
+        kept, total = steps["replayed"]["in_place"].split(" of ")
+        assert kept == total and int(total) > 0
+        assert cells[-1] == steps["replayed"]["in_place"]
