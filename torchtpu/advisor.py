@@ -35,6 +35,7 @@ class _State:
         self.syncs = collections.Counter()       # (line, reason) -> count
         self.sync_seconds = 0.0
         self.steps = 0
+        self.grown_cuts = collections.Counter()  # (line, dim, bucket) -> count
 
 
 S = _State()
@@ -60,6 +61,12 @@ def note_new_kernel(op):
     n = S.kernels[op] = S.kernels[op] + 1
     if n == CHURN_KERNELS:
         S.churn_lines[op] = errors.user_line(sys._getframe(1))
+
+
+def note_grown_cut(line, dim, length, bucket):
+    """A tensor grown step by step (torchtpu.dispatch.growth) is read whole
+    by an op that does not know growth: it compiles for each length."""
+    S.grown_cuts[(line, dim, bucket)] += 1
 
 
 def sync_point(read):
@@ -120,6 +127,11 @@ def summary():
         for op, n in sorted(churn, key=lambda kv: -kv[1])[:8]:
             out.append(f"    {op}: {n} compilations, churning at "
                        f"{_short(S.churn_lines.get(op, '<unknown>'))}")
+    if S.grown_cuts:
+        out.append("  Growing tensors read whole (torch.cat in a loop; the op that reads one "
+                   "compiles for each length, where cat, views and attention use its bucket):")
+        for (line, dim, bucket), n in S.grown_cuts.most_common(6):
+            out.append(f"    {_short(line)}: dim {dim}, {n} times; its bucket is {bucket}")
     graphs = snap.get("graphs_compiled", 0)
     hits = snap.get("graph_cache_hits", 0)
     if graphs >= CHURN_KERNELS and graphs > hits:

@@ -77,6 +77,51 @@ class Storage:
             array.owner = weakref.ref(self)
 
 
+
+class GrownStorage(Storage):
+    """The storage of a tensor that grows along one axis, step by step (a
+    key/value cache or the token ids extended by torch.cat in a loop). Its
+    values are the first `extent` along `axis` of `grown`, a tpu tensor
+    padded along that axis to a bucket (zeros past the extent), so each step
+    compiles nothing new until the bucket fills (torchtpu.dispatch.growth).
+    `array`, what every op that does not know about growth reads, is the
+    exact array, cut from `grown` on first use; a write replaces it and ends
+    the growth."""
+    __slots__ = ("grown", "axis", "extent", "_exact")
+    # Set by torchtpu.dispatch.growth: grown storage -> its exact array.
+    cut = None
+
+    def __init__(self, grown, axis, extent, exact=None):
+        self.grown = grown
+        self.axis = axis
+        self.extent = extent
+        self.device = grown._storage.device
+        self._exact = None
+        if exact is not None:
+            self._own(exact)
+
+    def _own(self, array):
+        self._exact = array
+        if type(array) is Pending:
+            array.owner = weakref.ref(self)
+
+    @property
+    def array(self):
+        if self._exact is None:
+            self._own(GrownStorage.cut(self))
+        return self._exact
+
+    @array.setter
+    def array(self, value):
+        if type(self._exact) is not Pending or type(value) is Pending:
+            # A write. (A pending value replaced by its array is fused
+            # mode's flush resolving it: no write.)
+            self.grown = None
+        self._own(value)
+
+    def assign(self, array):
+        self.array = array
+
 def contiguous_strides(shape):
     strides, acc = [], 1
     for size in reversed(shape):
@@ -101,6 +146,42 @@ def make_view(storage_shape, shape, stride, offset):
         return None
     return (shape, stride, offset)
 
+
+
+def grown_view(view, shape, axis, capacity):
+    """A view (shape, stride, offset) over a contiguous storage array of
+    `shape`, as the same view over that array padded along `axis` to
+    `capacity` (a GrownStorage's): ((shape, stride), offset), or None when
+    a view dim does not step along one storage axis within it (then the
+    exact array is read). The offset varies from step to step (x[:, -1]),
+    so kernels take it as a dynamic scalar."""
+    if len(view) != 3:
+        return None  # a dtype view
+    vshape, vstride, offset = view
+    logical = contiguous_strides(shape)
+    padded = list(shape)
+    padded[axis] = capacity
+    physical = contiguous_strides(padded)
+    index, rest = [], offset
+    for size, st in zip(shape, logical):
+        index.append(rest // st if size else 0)
+        rest = rest % st if size else rest
+    used, strides = set(), []
+    for size, st in zip(vshape, vstride):
+        if size == 1 or st == 0:
+            strides.append(0)
+            continue
+        for j, lst in enumerate(logical):
+            if shape[j] > 1 and st % lst == 0 and st // lst < shape[j]:
+                break
+        else:
+            return None
+        step = st // lst
+        if j in used or index[j] + (size - 1) * step >= shape[j]:
+            return None
+        used.add(j)
+        strides.append(step * physical[j])
+    return (tuple(vshape), tuple(strides)), sum(i * p for i, p in zip(index, physical))
 
 def whole_tensor(storage, shape, dtype, requires_grad=False, cls=None):
     """A tensor that is its whole storage array (same shape, no view); shape
@@ -242,6 +323,19 @@ def _finish(core, dims, shape, stride):
     core = core.reshape(full)
     return jnp.broadcast_to(core, shape) if tuple(full) != tuple(shape) else core
 
+
+
+def read_view_at(arr, view, offset):
+    """read_view of a (shape, stride) view at an offset known only when the
+    kernel runs (a dynamic scalar): a view of a grown storage."""
+    shape, stride = view
+    flat = arr.reshape(-1)
+    n = math.prod(shape)
+    if n == 0:
+        return jnp.zeros(shape, flat.dtype)
+    if _is_contiguous(shape, stride):
+        return lax.dynamic_slice(flat, (jnp.asarray(offset, jnp.int64),), (n,)).reshape(shape)
+    return flat[_flat_indices(shape, stride, offset)]
 
 def _flat_indices(shape, stride, offset):
     idx = jnp.asarray(offset, dtype=jnp.int64)

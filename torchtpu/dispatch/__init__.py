@@ -9,10 +9,11 @@
 - `host`: values between host and device;
 - handler modules, which fill SPECIAL when imported: `transfers` (copies,
   .to(), .item(), resize_), `dynamic_shapes` (nonzero, mask indexing,
-  unique, bincount), `rewrites` (ops rewritten into others).
+  unique, bincount), `rewrites` (ops rewritten into others), `growth`
+  (tensors grown step by step by torch.cat: padded to buckets).
 """
 from .. import tensor
-from . import dynamic_shapes, rewrites, transfers
+from . import dynamic_shapes, growth, rewrites, transfers
 from .core import copy_into, cpu_fallback, dispatch, plan_of, resize
 from .host import device_array, download, to_tpu
 from .plans import SPECIAL
@@ -24,5 +25,5 @@ from .transfers import _copy_
 tensor.set_dispatcher(dispatch)
 
 __all__ = ["dispatch", "plan_of", "resize", "copy_into", "cpu_fallback", "device_array", "download",
-           "to_tpu", "SPECIAL", "OUT_VIA_FUNCTIONAL", "dynamic_shapes", "rewrites", "transfers",
+           "to_tpu", "SPECIAL", "OUT_VIA_FUNCTIONAL", "dynamic_shapes", "growth", "rewrites", "transfers",
            "_copy_"]

@@ -21,7 +21,7 @@ from torch._decomp import decomposition_table
 from .. import advisor, bounds, cache, errors, metrics, modes, runtime
 from ..modes import checks
 from ..ops import random as rng
-from ..tensor import Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
+from ..tensor import GrownStorage, Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
 from .host import download, host_values, to_tpu
 from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
                       _physical_order, _run_meta, _spec, _unflatten, first_device, kernel_device)
@@ -162,6 +162,12 @@ def _run_lowered(plan, args, kwargs):
     for a, f in zip(args, plan.pos_flags):
         if type(a) is TpuTensor:
             storage = a._storage
+            if type(storage) is GrownStorage and a._view is not None:
+                # A view of a grown storage: read from its padded array.
+                if call is None:
+                    call = _Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
+                pos_specs.append(_spec(call, a, f))
+                continue
             slot = slots.get(storage)
             if slot is None:
                 slot = slots[storage] = len(storages)
@@ -170,12 +176,12 @@ def _run_lowered(plan, args, kwargs):
             pos_specs.append(("t", slot) + a._key)
         else:
             if call is None:
-                call = _Call(storages, arrays, slots, (args, kwargs))
+                call = _Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
             pos_specs.append(_spec(call, a, f))
     pos_specs = tuple(pos_specs)
     if kwargs:
         if call is None:
-            call = _Call(storages, arrays, slots, (args, kwargs))
+            call = _Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
         kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
                           for k, v in kwargs.items()])
     else:

@@ -3,7 +3,7 @@ concrete array (waiting for its executor) and its download."""
 import functools
 
 from .. import advisor, cache, metrics, modes, runtime
-from ..tensor import Lost, Storage, TpuTensor, read_view
+from ..tensor import GrownStorage, Lost, Storage, TpuTensor, grown_view, read_view, read_view_at
 
 
 def to_tpu(t, non_blocking=False, device=0):
@@ -19,9 +19,23 @@ def _reader(view):
     return cache.jit(lambda arr: read_view(arr, view), name="tpu_read_view")
 
 
+@functools.lru_cache(maxsize=None)
+def _reader_at(view):
+    return cache.jit(lambda arr, offset: read_view_at(arr, view, offset), name="tpu_read_view")
+
+
 def device_array(t):
     """The concrete JAX array of t's values (in t's shape), syncing if needed."""
-    arr = modes.current().concrete(t._storage)
+    storage = t._storage
+    if type(storage) is GrownStorage and t._view is not None and storage.grown is not None:
+        # A view of a grown storage (ids[:, -1]): read from its padded array.
+        found = grown_view(t._view, t._key[1], storage.axis, storage.grown.shape[storage.axis])
+        if found is not None:
+            arr = modes.current().concrete(storage.grown._storage)
+            if type(arr) is Lost:
+                arr.fail()
+            return _reader_at(found[0])(arr, found[1])
+    arr = modes.current().concrete(storage)
     if type(arr) is Lost:
         arr.fail()
     if t._view is None:
@@ -29,13 +43,24 @@ def device_array(t):
     return _reader(t._view)(arr)
 
 
+def _host_array(t):
+    """t's values as a CPU tensor; a whole grown storage not yet cut (a
+    generate() call's token ids) is cut on the host: no kernel per length."""
+    storage = t._storage
+    if (type(storage) is GrownStorage and t._view is None and storage.grown is not None
+            and storage._exact is None):
+        padded = runtime.to_host(device_array(storage.grown), t.dtype)
+        return padded.narrow(storage.axis, 0, storage.extent).clone()
+    return runtime.to_host(device_array(t), t.dtype)
+
+
 def download(t):
     """A TpuTensor -> a new CPU tensor with its values."""
     metrics.M.syncs += 1
     runtime.wait_transfers()  # a sync point: pinned sources are free again after it
     if advisor.ON:
-        return advisor.sync_point(lambda: runtime.to_host(device_array(t), t.dtype))
-    return runtime.to_host(device_array(t), t.dtype)
+        return advisor.sync_point(lambda: _host_array(t))
+    return _host_array(t)
 
 
 def host_values(t):

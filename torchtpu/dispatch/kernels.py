@@ -11,7 +11,8 @@ import torch
 from .. import bounds, cache, properties, runtime
 from ..ops import ctx
 from ..ops import random as rng
-from ..tensor import DEVICES, TpuTensor, _is_contiguous, contiguous_strides, read_view, write_view
+from ..tensor import (DEVICES, GrownStorage, TpuTensor, _is_contiguous, contiguous_strides, grown_view,
+                      read_view, read_view_at, write_view)
 from .host import to_tpu
 from .plans import _DYNAMIC_SCALAR_TYPES, _INDICES, _SCALARS
 
@@ -75,14 +76,17 @@ def _build(template, it):
 class _Call:
     """One op call split into what keys its kernel and what feeds it: the
     storages (and their arrays, in slot order) and the dynamic scalars."""
-    __slots__ = ("storages", "arrays", "slots", "dynamic", "args")
+    __slots__ = ("storages", "arrays", "slots", "dynamic", "args", "reads_grown")
 
-    def __init__(self, storages, arrays, slots, args):
+    def __init__(self, storages, arrays, slots, args, reads_grown=False):
         self.storages = storages
         self.arrays = arrays
         self.slots = slots  # storage -> slot (Storage hashes by identity)
         self.dynamic = []
         self.args = args  # (args, kwargs) of the op
+        # Whether views of grown storages may be read from their padded
+        # arrays (not for an op that writes: it writes the exact array).
+        self.reads_grown = reads_grown
 
     def device(self):
         """Where a CPU scalar argument goes (see first_device)."""
@@ -102,12 +106,38 @@ def first_device(args, kwargs):
 def _tensor_spec(call, t):
     """A tpu tensor's spec: its storage's slot in this call, then its key."""
     storage = t._storage
+    if type(storage) is GrownStorage and t._view is not None and call.reads_grown:
+        spec = _grown_spec(call, t)
+        if spec is not None:
+            return spec
     slot = call.slots.get(storage)
     if slot is None:
         slot = call.slots[storage] = len(call.storages)
         call.storages.append(storage)
         call.arrays.append(storage.array)
     return ("t", slot) + t._key
+
+
+def _grown_spec(call, t):
+    """A view of a grown storage, read from its padded array at an offset
+    fed at run time: ("d", slot, dtype, padded shape, (shape, stride),
+    device), so each step of the growth reuses one kernel."""
+    storage = t._storage
+    grown = storage.grown
+    if grown is None:
+        return None
+    found = grown_view(t._view, t._key[1], storage.axis, grown.shape[storage.axis])
+    if found is None:
+        return None
+    view, offset = found
+    padded = grown._storage
+    slot = call.slots.get(padded)
+    if slot is None:
+        slot = call.slots[padded] = len(call.storages)
+        call.storages.append(padded)
+        call.arrays.append(padded.array)
+    call.dynamic.append(offset)
+    return ("d", slot, t._key[0], tuple(grown.shape), view, t._key[3])
 
 
 def _spec(call, value, tensorish):
@@ -159,7 +189,7 @@ def kernel_device(pos_specs, kw_specs):
     while stack:
         spec = stack.pop()
         kind = spec[0]
-        if kind == "t":
+        if kind == "t" or kind == "d":
             if found is None:
                 found = spec[5]
             elif spec[5] != found:
@@ -175,6 +205,8 @@ def _materialize(spec, arrays, scalars):
     kind = spec[0]
     if kind == "t":
         return read_view(arrays[spec[1]], spec[4])
+    if kind == "d":
+        return read_view_at(arrays[spec[1]], spec[4], next(scalars))
     if kind == "s":
         return next(scalars)
     if kind == "l":

@@ -7,6 +7,7 @@ check is not the lowerings' business: errors.BOUNDS says which arguments of
 which ops are indices, and the dispatcher checks them (on the host in debug
 mode, inside the op's kernel otherwise: torchtpu.bounds).
 """
+import jax
 import jax.numpy as jnp
 import torch
 
@@ -376,3 +377,20 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
     g = jnp.where(keep[:, None], g, jnp.zeros((), g.dtype))
     out = jnp.zeros((num_weights, g.shape[1]), g.dtype).at[idx].add(g)
     return out.reshape((num_weights,) + grad.shape[indices.ndim:])
+
+
+# ---- writes at a dynamic offset ------------------------------------------------
+# torchtpu::write_at(base, src, dim, offset): base with src written over it
+# from `offset` along `dim` (a functional dynamic_update_slice). The offset
+# is a Scalar, so a kernel feeds it instead of keying on it: the grown
+# storages of torchtpu.dispatch.growth extend by one step per call without
+# compiling one kernel per length.
+_WRITE_LIB = torch.library.Library("torchtpu", "FRAGMENT")
+_WRITE_LIB.define("write_at(Tensor base, Tensor src, int dim, Scalar offset) -> Tensor")
+_WRITE_LIB.impl("write_at", lambda base, src, dim, offset: torch.empty_like(base), "Meta")
+
+
+@lower(torch.ops.torchtpu.write_at.default)
+def write_at(base, src, dim, offset):
+    starts = [jnp.asarray(offset if d == dim else 0, jnp.int32) for d in range(base.ndim)]
+    return jax.lax.dynamic_update_slice(base, src.astype(base.dtype), starts)

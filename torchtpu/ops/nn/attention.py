@@ -57,6 +57,14 @@ _ATTENTION_LIB.define(f"attention_backward(Tensor grad, Tensor q, Tensor k, Tens
                       "bool mask_grad) -> (Tensor, Tensor, Tensor, Tensor)")
 _ATTENTION_LIB.define("attention_dropout_keep(Tensor q, Tensor k, float dropout_p, Scalar seed, "
                       "Scalar offset) -> Tensor")
+# Attention over keys and values padded along their length to a bucket, of
+# which the first `extent` are real (torchtpu.dispatch.growth's grown
+# caches); extent is a Scalar, fed at run time, so a decode step compiles one
+# kernel per bucket.
+_ATTENTION_LIB.define("attention_grown(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, "
+                      "Scalar extent) -> Tensor")
+_ATTENTION_LIB.impl("attention_grown", lambda q, k, v, *args: q.new_empty(q.shape[:-1] + v.shape[-1:]),
+                    "Meta")
 _ATTENTION_LIB.impl("attention", lambda q, k, v, *args: q.new_empty(q.shape[:-1] + v.shape[-1:]), "Meta")
 _ATTENTION_LIB.impl("attention_backward", lambda grad, q, k, v, mask, *args: (
     torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -106,6 +114,20 @@ def _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
 @lower(torch.ops.torchtpu.attention.default)
 def attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
     return _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset)
+
+
+@lower(torch.ops.torchtpu.attention_grown.default)
+def attention_grown(q, k, v, mask, scale, extent):
+    # A masked key's weight is exactly 0: the result is attention over the
+    # first `extent` keys alone.
+    valid = jnp.arange(k.shape[-2]) < extent
+    if mask is None:
+        mask = valid
+    elif mask.dtype == jnp.bool_:
+        mask = mask & valid
+    else:
+        mask = jnp.where(valid, mask, -jnp.inf)
+    return _attention(q, k, v, mask, False, scale, 0.0, 0, 0)
 
 
 @lower(torch.ops.torchtpu.attention_backward.default)
