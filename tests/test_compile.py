@@ -329,3 +329,21 @@ def test_import_torchtpu_leaves_dynamo_unimported_until_used():
                           timeout=300, env=dict(os.environ, TORCHTPU_CACHE_DIR="off"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_compiled_shape_error_names_the_users_line():
+    """A shape error in compiled code raises RuntimeError, as the same
+    compiled code on CPU tensors does, naming the line that made it."""
+    def matmul_after_sin(x, w):
+        h = x.sin()
+        return h @ w  # the bad line
+    errors = {}
+    for device in ("cpu", "tpu"):
+        torch._dynamo.reset()
+        compiled = torch.compile(matmul_after_sin, backend="tpu")
+        with pytest.raises(RuntimeError) as caught:
+            compiled(torch.randn(3, 4, device=device), torch.randn(5, 2, device=device))
+        errors[device] = str(caught.value)
+    assert errors["tpu"].split("\n")[0] == errors["cpu"].split("\n")[0]
+    assert "must have same reduction dim" in errors["tpu"] or "shapes cannot be multiplied" in errors["tpu"]
+    assert f'File "{__file__}"' in errors["tpu"] and "return h @ w  # the bad line" in errors["tpu"]
