@@ -13,21 +13,22 @@ it, fused records it as one node of the pending graph.
 
 A kind of call is the inputs' keys (dtype, storage shape, view, device),
 which inputs share a storage, and the values of non-tensor inputs; a new
-kind traces again. Graphs this cannot serve exactly run op by op through the
-dispatcher in the current eager mode, as before, and say why in
-`graph_fallbacks`: random ops (a traced function would draw the same numbers
-on every call), ops with device-side index checks, CPU tensor inputs, and
-NaN/Inf checks being on.
+kind traces again. Index checks stay: the computation takes and returns the
+device's running bounds flag, and each call notes the checks it made.
+Graphs this cannot serve exactly run op by op through the dispatcher in the
+current eager mode, as before, and say why in `graph_fallbacks`: random ops
+(a traced function would draw the same numbers on every call), CPU tensor
+inputs, inputs over a grown storage (dispatch/growth.py), symbolic sizes,
+and NaN/Inf checks being on.
 """
 import copy
 import sys
 
 import jax
+import jax.numpy as jnp
 import torch
 
 from . import bounds, errors, modes
-import jax.numpy as jnp
-
 from .dispatch.kernels import Kernel, _physical_order
 from .modes.strict import StrictExecutor
 from .tensor import Storage, TpuTensor, read_view, view_tensor, whole_tensor
@@ -234,6 +235,8 @@ class CompiledGraph:
             for a in args:
                 if isinstance(a, torch.Tensor) and type(a) is not TpuTensor:
                     return self._eager(args, f"a {a.device} tensor input")
+            if any(type(st) is not Storage for st in storages):
+                return self._eager(args, "an input over a grown storage")
             devices = {st.device for st in storages}
             if len(devices) > 1:
                 return self._eager(args, "tensors on several devices")
