@@ -347,3 +347,22 @@ def test_compiled_shape_error_names_the_users_line():
     assert errors["tpu"].split("\n")[0] == errors["cpu"].split("\n")[0]
     assert "must have same reduction dim" in errors["tpu"] or "shapes cannot be multiplied" in errors["tpu"]
     assert f'File "{__file__}"' in errors["tpu"] and "return h @ w  # the bad line" in errors["tpu"]
+
+
+def test_dynamic_shapes_compile_per_size():
+    """After a second batch size Dynamo makes its graph symbolic; each size
+    is still one computation, with CPU's values and gradients."""
+    torch.manual_seed(0)
+    ref = _mlp()
+    model = copy.deepcopy(ref).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    before = dict(compiled_graphs.graph_fallbacks)
+    for batch in (4, 6, 7):
+        x = torch.randn(batch, 6)
+        out = compiled(x.to("tpu"))
+        out.sum().backward()
+        want = ref(x)
+        want.sum().backward()
+        assert_same(out, want.detach(), rtol=1e-5, atol=1e-6)
+    assert compiled_graphs.graph_fallbacks == before
+    assert_same(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
