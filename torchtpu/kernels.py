@@ -15,6 +15,7 @@ arguments are tensors, None, numbers, ...), defined at its first call:
 Python floats and ints are traced (a new value compiles nothing) unless
 named static; bools, strings and tuples are static.
 """
+import contextlib
 import inspect
 import itertools
 
@@ -22,7 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax._src import config as jax_config
+
+try:  # JAX's own config state: another JAX version may move it
+    from jax._src.config import traceback_filtering as _traceback_filtering
+except ImportError:  # pragma: no cover
+    def _traceback_filtering(_value):
+        return contextlib.nullcontext()
 
 from . import errors, runtime
 from .ops.registry import lower
@@ -202,7 +208,7 @@ class Overload:
             return self._call_fn(full)
         try:
             # Unfiltered tracebacks tell JAX's errors from the function's own.
-            with jax_config.traceback_filtering("off"):
+            with _traceback_filtering("off"):
                 out = jax.eval_shape(run, *abstract)
         except Exception as e:
             raise self._error(e, values) from None
