@@ -139,8 +139,12 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
     cold = _run(script, d, mode)
     s1 = cold["stats"]
     assert s1["compilations"] > 0 and s1["disk_hits"] == 0
-    assert s1["disk_misses"] == s1["compilations"] == s1["disk_entries"]
-    assert s1["disk_bytes"] > 0
+    # Strict mode stores each kernel's executable in its record, fused mode
+    # each graph's executable (and each kernel's abstract trace); a few
+    # helpers (view reads) are JAX's own entries.
+    stored = s1["disk_kernels"] if mode == "strict" else s1["disk_programs"]
+    assert s1["disk_misses"] == s1["compilations"] == s1["disk_entries"] + stored
+    assert s1["disk_bytes"] > 0 and s1["disk_kernels"] > 0
     warm = _run(script, d, mode)
     s2 = warm["stats"]
     assert s2["compilations"] == 0
@@ -148,13 +152,16 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
     assert s2["disk_hits"] == s1["disk_misses"]
     assert s2["disk_entries"] == s1["disk_entries"]
     assert s2["compile_seconds_saved"] > 0
+    # Nothing is traced again: every kernel's record serves it.
+    loaded, other = ("kernels_loaded", "traces_loaded")[::1 if mode == "strict" else -1]
+    assert s2[loaded] == s1["disk_kernels"] == s2["disk_kernels"] and s2[other] == 0
     _same(cold, warm)
     if mode == "fused":
-        # Each fused graph's traced program is stored: a warm start loads it
-        # instead of tracing the graph again.
+        # Each fused graph's executable is stored: a warm start loads it
+        # instead of tracing, lowering and compiling the graph again.
         assert s1["disk_programs"] > 0 and s1["programs_loaded"] == 0
         assert s2["programs_loaded"] == s1["disk_programs"] == s2["disk_programs"]
-        # A damaged program is a miss: traced again, replaced, one warning.
+        # A damaged program is a miss: compiled again, replaced, one warning.
         programs = [n for n in os.listdir(d) if n.startswith(cache.PROGRAM_PREFIX)
                     and n.endswith(cache.ENTRY_SUFFIX)]
         for name in programs:
@@ -163,17 +170,19 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
         again = _run(script, d, mode)
         s3 = again["stats"]
         assert s3["disk_corrupt"] == len(programs) and s3["programs_loaded"] == 0
-        assert s3["compilations"] == 0   # the same program: JAX's entry still serves it
+        assert s3["compilations"] == s3["disk_misses"] == len(programs)
         assert _torchtpu_warnings(again, "unreadable") == 1
         assert _all_verified(d)
         _same(cold, again)
-        # A stored program serves only the XLA flags it was stored under
-        # (this one leaves JAX's own key, and so its entry, as it is).
+        # A stored program or trace serves only the XLA flags it was stored
+        # under (this one leaves JAX's own key, and so its entries, as they are).
         flags = _run(script, d, mode, XLA_FLAGS=" ".join(  # (the device count stays)
             filter(None, [os.environ.get("XLA_FLAGS"), "--xla_dump_disable_metadata=true"])))
         s4 = flags["stats"]
-        assert s4["programs_loaded"] == 0 and s4["compilations"] == 0
+        assert s4["programs_loaded"] == 0 and s4["traces_loaded"] == 0
+        assert s4["compilations"] == len(programs)
         assert s4["disk_programs"] == 2 * len(programs)
+        assert s4["disk_kernels"] == 2 * s1["disk_kernels"]
         _same(cold, flags)
     if mode == "strict":
         # Read-only: reads what is there, compiles what is new, writes nothing
@@ -187,6 +196,56 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
         assert 0 < s3["compilations"] == s3["disk_misses"]
         assert _snapshot(d) == before
         _same(cold, ro)
+
+
+def _records(path):
+    return sorted(n for n in _entries(path) if n.startswith(cache.KERNEL_PREFIX))
+
+
+def _rewrite_checked(path, name, data):
+    """Replace an entry and recompute its check: damage the checksum cannot see."""
+    (path / name).write_bytes(data)
+    key = name[:-len(cache.ENTRY_SUFFIX)]
+    (path / (key + cache.CHECK_SUFFIX)).write_text(json.dumps(
+        {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "compile_seconds": None}))
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_damaged_or_untrusted_kernel_records_are_recomputed(script, tmp_path, mode):
+    """A kernel record that is garbled, malformed under a valid checksum,
+    holds no loadable executable, or that others can write, is refused:
+    that kernel is traced (and in strict mode compiled) again, its record
+    replaced, one warning each kind; the rest load; results match CPU."""
+    d = tmp_path / "cache"
+    cold = _run(script, d, mode)
+    records = _records(d)
+    assert len(records) == cold["stats"]["disk_kernels"] > 4
+    with open(d / records[0], "r+b") as f:  # garbled, same size
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    _rewrite_checked(d, records[1], b"torchtpu-record-1\n{not json\n")
+    os.chmod(d / records[2], 0o666)
+    damaged = 3
+    if mode == "strict":
+        # Its header intact, its executable not one (under a valid checksum).
+        data = (d / records[3]).read_bytes()
+        _rewrite_checked(d, records[3], data[:data.index(b"\n", 18) + 1] + b"not an executable")
+        damaged += 1
+    again = _run(script, d, mode)
+    s = again["stats"]
+    assert s["disk_corrupt"] == damaged - 1 and s["disk_untrusted"] == 1, again["stderr"][-3000:]
+    loaded = s["kernels_loaded" if mode == "strict" else "traces_loaded"]
+    assert loaded == len(records) - damaged
+    assert s["compilations"] == (damaged if mode == "strict" else 0)
+    assert _torchtpu_warnings(again, "unreadable") == 1
+    assert _torchtpu_warnings(again, "not loading compilation cache entry") == 1
+    _same(cold, again)
+    assert _all_verified(d) and _records(d) == records
+    third = _run(script, d, mode)["stats"]
+    assert third["disk_corrupt"] == third["disk_untrusted"] == third["compilations"] == 0
+    assert third["kernels_loaded" if mode == "strict" else "traces_loaded"] == len(records)
 
 
 def test_concurrent_debug_writers_serve_strict(script, tmp_path):
@@ -576,19 +635,23 @@ for step in range(3):
         got = chain(fn, table, idx).cpu()
         torch.testing.assert_close(got, chain(fn, table_cpu, idx_cpu))
     cache.clear()
-print("OK", cache.stats()["programs_loaded"])
+    x = table[: 8 * (step + 1)]  # one op's kernel for another shape each step
+    torch.testing.assert_close((x * 2 + 1).cpu(), table_cpu[: 8 * (step + 1)] * 2 + 1)
+print("OK", cache.stats()["programs_loaded"], cache.stats()["kernels_loaded"])
 """
 
 
-def test_fused_programs_reloaded_after_clear_run(tmp_path):
-    # Two stored graphs whose compiled code shares function names, dropped from
-    # memory and asked for again in the same process: executables XLA's CPU
-    # runtime loaded a second time failed when run ("Function ... not
-    # found").
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_executables_reloaded_after_clear_run(tmp_path, mode):
+    # Stored executables whose code would share function names (two graphs;
+    # one op's kernels for several shapes), dropped from memory and asked for
+    # again in the same process: loaded executables of one module name and
+    # different code failed when run on XLA's CPU runtime ("Function ... not
+    # found"), so each module is named after its key.
     path = tmp_path / "reload.py"
     path.write_text(RELOAD_SCRIPT)
-    for _ in range(2):  # the second process loads both graphs from disk
-        proc = subprocess.run([sys.executable, str(path)], env=_env(tmp_path / "cc", "fused"),
+    for _ in range(2):  # the second process loads them all from disk
+        proc = subprocess.run([sys.executable, str(path)], env=_env(tmp_path / "cc", mode),
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "OK" in proc.stdout

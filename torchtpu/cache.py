@@ -274,7 +274,9 @@ def _encode(header, compiled=None):
             pass
         else:
             trees = pickle.dumps((in_tree, out_tree))
-            header = dict(header, trees=len(trees), results=_results_text(compiled))
+            # (The LAPACK question reads the compiled module's text: a cold cost.)
+            header = dict(header, trees=len(trees), results=_results_text(compiled),
+                          lapack="lapack" in compiled.as_text())
             tail = trees + payload
     return _RECORD_FORMAT + json.dumps(header).encode() + b"\n" + tail
 
@@ -290,11 +292,12 @@ def _decode(blob):
     return header, blob[end + 1:]
 
 
-def _load_executable(header, rest):
-    """The jax.stages.Compiled a record holds."""
+def _load_executable(header, rest, device):
+    """The jax.stages.Compiled a record holds, loaded for the device it was
+    compiled for (by default it would be given every local device)."""
     global _lapack_ready
     from jax.experimental import serialize_executable
-    if not _lapack_ready:
+    if header.get("lapack") and not _lapack_ready:
         # An executable calls LAPACK through handlers JAX sets up while it
         # lowers a linear-algebra op; a loaded one needs them too.
         from jax._src.lax import linalg
@@ -302,7 +305,10 @@ def _load_executable(header, rest):
         _lapack_ready = True
     n = header["trees"]
     in_tree, out_tree = pickle.loads(rest[:n])
-    return serialize_executable.deserialize_and_load(bytes(rest[n:]), in_tree, out_tree)
+    from . import runtime
+    target = runtime.DEVICES[device]
+    return serialize_executable.deserialize_and_load(bytes(rest[n:]), in_tree, out_tree,
+                                                     target.client, [target])
 
 
 def _compile(fn, name, key, args, donate_argnums, device):
@@ -334,12 +340,12 @@ def _results_text(compiled):
     return " ".join(f"{a.dtype}{list(a.shape)}" for a in jax.tree_util.tree_leaves(compiled.out_info))
 
 
-def _loaded(disk, key, header, rest, started):
+def _loaded(disk, key, header, rest, started, device):
     """The executable of a record read at started, counted as a disk hit; or
     None (counted as damaged) when it does not load or its results are not
     the ones its header names."""
     try:
-        compiled = _load_executable(header, rest)
+        compiled = _load_executable(header, rest, device)
         if _results_text(compiled) != header.get("results"):
             raise ValueError("its results are not the ones its record names")
     except Exception as e:  # damaged or stale: compile again and replace it
@@ -382,7 +388,7 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0):
         started = time.monotonic()
         header, rest = _read(disk, key)
         if header is not None and "trees" in header:
-            compiled = _loaded(disk, key, header, rest, started)
+            compiled = _loaded(disk, key, header, rest, started, device)
             if compiled is not None:
                 STATS.programs_loaded += 1
                 return compiled
@@ -412,7 +418,7 @@ def _kernel_executable(disk, owner, fn, name, device, args):
     started = time.monotonic()
     header, rest = _read(disk, key)
     if header is not None and "trees" in header:
-        compiled = _loaded(disk, key, header, rest, started)
+        compiled = _loaded(disk, key, header, rest, started, device)
         if compiled is not None:
             try:
                 owner.out_tree = _decode_tree(header["out_tree"])
