@@ -21,9 +21,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                        ReduceScatterOptions, ScatterOptions)
 
 from .. import runtime
-from ..dispatch.host import device_array
-from ..tensor import wrap
-from . import agreement, host, xla
+from . import agreement, host, in_graph, xla
 
 NAME = "tpu"
 _BITWISE = ("band", "bor", "bxor")
@@ -33,27 +31,18 @@ def _describe(*groups):
     return " ".join(",".join(f"{tuple(t.shape)}:{t.dtype}" for t in ts) for ts in groups)
 
 
-def _device_id(arrays):
-    ids = {d.id for a in arrays for d in a.devices()}
+def _device_id(tensors):
+    """The JAX id of the one device the tpu tensors are on."""
+    ids = {runtime.DEVICES[t.device.index].id for t in tensors}
     if len(ids) != 1:
         raise ValueError("a collective's tpu tensors must all be on one device")
     return ids.pop()
 
 
-def _index(array):
-    """N of tpu:N, the device array is on."""
-    return runtime.DEVICES.index(next(iter(array.devices())))
-
-
-def _tensor(result, dtype, shape):
-    """result (a JAX array of shape's numel) as a tpu tensor of shape."""
-    return wrap(result, dtype, device=_index(result)).reshape(shape)
-
-
 def _write(t, result):
-    """t (a tpu tensor) gets result's values (a JAX array of t's numel on
+    """t (a tpu tensor) gets result's values (a tpu tensor of t's numel on
     t's device), through the dispatcher's copy."""
-    host.assign(t, _tensor(result, t.dtype, t.shape))
+    host.assign(t, result.reshape(t.shape))
 
 
 def _reduction(opts, tensors):
@@ -108,7 +97,13 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"a collective's tensors must all be on one device type, not {sorted(kinds)}"))
         return kinds == {NAME}
 
-    def _agree(self, name, arrays, description, extra="", check=None):
+    def _run(self, kind, devices, t, rooted=False, **params):
+        """Collective kind of t over devices, a new tpu tensor (in fused mode
+        a node of the pending graph, see in_graph.py); rooted: some rank
+        drops the result."""
+        return in_graph.run(self._gloo, kind, devices, t, rooted=rooted, **params)
+
+    def _agree(self, name, tensors, description, extra="", check=None):
         """(the devices of the group's ranks in group-rank order, each one's
         extra, check()'s value) once every rank has seen the others call
         `name` with the same description. A check that raises here is told
@@ -120,7 +115,7 @@ class TpuProcessGroup(dist.ProcessGroup):
             problem = e
         if problem is not None:
             description = f"refused by rank {self.rank()}: {problem}"
-        device = _device_id(arrays) if arrays else self._current_device().id
+        device = _device_id(tensors) if tensors else self._current_device().id
         try:
             found = agreement.exchange(self._gloo, name, device, f"{name} {description}", extra)
         except RuntimeError:
@@ -162,6 +157,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         if root is None or root == self.rank():
             for t, result in zip(tensors, results):
                 host.assign(t, result)
+        if root is not None:
+            in_graph.settle()
         return host.done(tensors)
 
     # The XLA paths' results as new tensors, which the functional
@@ -169,34 +166,30 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def reduced(self, name, tensors, opts, root=None):
         """On XLA: the reductions of tensors over the group, new tensors."""
-        arrays = [device_array(t) for t in tensors]
-        devices, _, op = self._agree(name, arrays,
+        devices, _, op = self._agree(name, tensors,
                                      f"{opts.reduceOp.op.name} {root} {_describe(tensors)}",
                                      check=lambda: _reduction(opts, tensors))
-        return [_tensor(xla.run("all_reduce", devices, a, op=op), t.dtype, t.shape)
-                for t, a in zip(tensors, arrays)]
+        return [self._run("all_reduce", devices, t, rooted=root is not None, op=op).reshape(t.shape)
+                for t in tensors]
 
     def gathered(self, name, input, shape):
         """On XLA: the inputs of the group's ranks concatenated, a new tensor
         of shape."""
-        arrays = [device_array(input)]
-        devices, _, _ = self._agree(name, arrays, f"{tuple(shape)} {_describe([input])}",
+        devices, _, _ = self._agree(name, [input], f"{tuple(shape)} {_describe([input])}",
                                     check=lambda: _check_numel(name, input, shape, self.size()))
-        return _tensor(xla.run("all_gather", devices, arrays[0]), input.dtype, shape)
+        return self._run("all_gather", devices, input).reshape(shape)
 
     def scattered(self, name, input, opts, shape):
         """On XLA: this rank's part of the inputs' reduction, a new tensor of
         shape."""
-        array = device_array(input)
-
         def check():
             _check_numel(name, shape, input, self.size())
             return _reduction(opts, [input])
 
         devices, _, op = self._agree(
-            name, [array], f"{opts.reduceOp.op.name} {tuple(shape)} {_describe([input])}",
+            name, [input], f"{opts.reduceOp.op.name} {tuple(shape)} {_describe([input])}",
             check=check)
-        return _tensor(xla.run("reduce_scatter", devices, array, op=op), input.dtype, shape)
+        return self._run("reduce_scatter", devices, input, op=op).reshape(shape)
 
     def allreduce_coalesced(self, tensors, opts=AllreduceCoalescedOptions()):
         if not self._on_xla(tensors):
@@ -214,13 +207,13 @@ class TpuProcessGroup(dist.ProcessGroup):
         if not self._on_xla(tensors):
             self._agree_host("broadcast", tensors)
             return host.in_place(self._gloo, "broadcast", tensors, opts)
-        arrays = [device_array(t) for t in tensors]
         root = opts.rootRank
-        devices, _, _ = self._agree("broadcast", arrays, f"{root} {_describe(tensors)}")
-        for t, a in zip(tensors, arrays):
-            result = xla.run("broadcast", devices, a, root=root)
+        devices, _, _ = self._agree("broadcast", tensors, f"{root} {_describe(tensors)}")
+        for t in tensors:
+            result = self._run("broadcast", devices, t, root=root)
             if self.rank() != root:
                 _write(t, result)
+        in_graph.settle()
         return host.done(tensors)
 
     def _check_list(self, name, tensors, like):
@@ -231,21 +224,21 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def _gather(self, name, output_lists, inputs, root=None):
         """all_gather (root None) or gather: inputs' rows into output lists."""
-        arrays = [device_array(t) for t in inputs]
         writes = root is None or root == self.rank()
 
         def check():
             for outs, x in zip(output_lists if writes else [], inputs):
                 self._check_list(name, outs, x)
 
-        devices, _, _ = self._agree(name, arrays, f"{root} {_describe(inputs)}", check=check)
-        for i, (x, a) in enumerate(zip(inputs, arrays)):
-            result = xla.run("all_gather", devices, a)
+        devices, _, _ = self._agree(name, inputs, f"{root} {_describe(inputs)}", check=check)
+        for i, x in enumerate(inputs):
+            result = self._run("all_gather", devices, x, rooted=root is not None)
             if writes:
-                rows = wrap(result, x.dtype, device=_index(result)).reshape(
-                    (self.size(),) + tuple(x.shape))
+                rows = result.reshape((self.size(),) + tuple(x.shape))
                 for j, out in enumerate(output_lists[i]):
                     host.assign(out, rows[j])
+        if root is not None:
+            in_graph.settle()
         return host.done(output_lists)
 
     def allgather(self, output_lists, inputs, opts=AllgatherOptions()):
@@ -299,14 +292,15 @@ class TpuProcessGroup(dist.ProcessGroup):
             if self.rank() == root:
                 ins = input_lists[i]
                 check = lambda: self._check_list("scatter", ins, out)  # noqa: E731
-            devices, _, _ = self._agree("scatter", [device_array(out)],
+            devices, _, _ = self._agree("scatter", [out],
                                         f"{root} {_describe([out])}", check=check)
             if self.rank() == root:
                 rows = torch.stack(input_lists[i])
             else:  # only root's rows are read
                 rows = torch.zeros((self.size(),) + tuple(out.shape), dtype=out.dtype,
                                    device=out.device)
-            _write(out, xla.run("scatter", devices, device_array(rows), root=root))
+            _write(out, self._run("scatter", devices, rows, root=root))
+        in_graph.settle()
         return host.done(outputs)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
@@ -330,13 +324,13 @@ class TpuProcessGroup(dist.ProcessGroup):
                                  f"(output) do not cut {tuple(input.shape)} and "
                                  f"{tuple(output.shape)} into {n}")
 
-        array = device_array(input)
         devices, extras, _ = self._agree(
-            "all_to_all_single", [array], f"{tuple(input.shape[1:])}:{input.dtype}",
+            "all_to_all_single", [input], f"{tuple(input.shape[1:])}:{input.dtype}",
             extra=str(max(ins + outs, default=0)), check=check)
         width = max(int(e) for e in extras)
         if set(ins) == set(outs) == {width}:
-            _write(output, xla.run("all_to_all", devices, array))
+            _write(output, self._run("all_to_all", devices, input))
+            in_graph.settle()
             return host.done(output)
         # Uneven splits: every rank sends n blocks of `width` rows, padded.
         padded = torch.zeros((n, width) + tuple(input.shape[1:]), dtype=input.dtype,
@@ -344,9 +338,9 @@ class TpuProcessGroup(dist.ProcessGroup):
         with torch.no_grad():
             for i, block in enumerate(input.split(ins)):
                 padded[i, :ins[i]] = block
-            got = xla.run("all_to_all", devices, device_array(padded))
-            blocks = wrap(got, input.dtype, device=_index(got)).reshape(padded.shape)
+            blocks = self._run("all_to_all", devices, padded).reshape(padded.shape)
         host.assign(output, torch.cat([blocks[i, :outs[i]] for i in range(n)]))
+        in_graph.settle()
         return host.done(output)
 
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
@@ -361,13 +355,13 @@ class TpuProcessGroup(dist.ProcessGroup):
             else:
                 raise ValueError("all_to_all: no tensors")
 
-        devices, _, _ = self._agree("all_to_all", [device_array(t) for t in inputs[:1]],
-                                    _describe(inputs, outputs), check=check)
-        got = xla.run("all_to_all", devices, device_array(torch.stack(inputs)))
-        rows = wrap(got, inputs[0].dtype, device=_index(got)).reshape(
+        devices, _, _ = self._agree("all_to_all", inputs[:1], _describe(inputs, outputs),
+                                    check=check)
+        rows = self._run("all_to_all", devices, torch.stack(inputs)).reshape(
             (len(outputs),) + tuple(inputs[0].shape))
         for i, out in enumerate(outputs):
             host.assign(out, rows[i])
+        in_graph.settle()
         return host.done(outputs)
 
     def send(self, tensors, dst, tag=0):
@@ -397,17 +391,17 @@ class TpuProcessGroup(dist.ProcessGroup):
         return host.done(outputs)
 
     def _point_to_point(self, tensors, peer, tag, sending):
-        arrays = [device_array(t) for t in tensors]
-        mine = _device_id(arrays)
+        mine = _device_id(tensors)
         theirs = agreement.exchange_pair(self._gloo, "send/recv", mine,
                                          f"send/recv {tag} {_describe(tensors)}", peer,
                                          sending, tag)
         devices = (mine, theirs) if sending else (theirs, mine)
-        for t, a in zip(tensors, arrays):
+        for t in tensors:
             # A ppermute from the sender (mesh position 0) to the receiver.
-            result = xla.run("permute", devices, a, pairs=((0, 1),))
+            result = self._run("permute", devices, t, pairs=((0, 1),))
             if not sending:
                 _write(t, result)
+        in_graph.settle()
         return host.done(tensors)
 
     def barrier(self, opts=BarrierOptions()):

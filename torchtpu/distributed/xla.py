@@ -156,14 +156,25 @@ BODIES = {
 }
 
 
+def body(kind, device_ids, params):
+    """Collective `kind` on one shard (inside a shard_map over the mesh of
+    device_ids); params: (name, value) pairs."""
+    params = dict(params)
+    if kind == "reduce_scatter":
+        params["cpu"] = _devices_by_id()[device_ids[0]].platform == "cpu"
+    return functools.partial(BODIES[kind], n=len(device_ids), **params)
+
+
+def mesh(device_ids):
+    """The 1-D mesh of device_ids (in group-rank order), axis AXIS."""
+    return _mesh(tuple(device_ids))
+
+
 @functools.lru_cache(maxsize=None)
 def _program(kind, device_ids, params):
     mesh = _mesh(device_ids)
-    params = dict(params)
-    if kind == "reduce_scatter":
-        params["cpu"] = mesh.devices.flat[0].platform == "cpu"
-    body = functools.partial(BODIES[kind], n=len(device_ids), **params)
-    jitted = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    jitted = jax.jit(jax.shard_map(body(kind, device_ids, params), mesh=mesh,
+                                   in_specs=P(AXIS), out_specs=P(AXIS)))
     return jitted, NamedSharding(mesh, P(AXIS))
 
 

@@ -215,7 +215,7 @@ class FusedExecutor(StrictExecutor):
         if hit:
             STATS.graph_cache_hits += 1
             run = entry[0]
-        elif churning:
+        elif churning and _mesh_jit(g.nodes) is None:
             # This site's graphs keep changing: run its ops one by one with
             # their own (cached) kernels instead of compiling another graph.
             STATS.fused_fallbacks += 1
@@ -403,16 +403,32 @@ def _build_graph(g, live_refs, donate=None):
 
     graph.__name__ = graph.__qualname__ = f"tpu_fused_{len(nodes)}ops"
     args = ([g.inputs[i] for i in given], [g.inputs[i] for i in kept], g.scalars)
-    key_text = _stable_key(nodes, live_refs, g)
-    if key_text is not None:
-        key_text += f"\ndonated {given}"
-    jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
-                              device=g.device)
+    mesh_jit = _mesh_jit(nodes)
+    if mesh_jit is not None:
+        # It holds a collective: one program over the group's devices.
+        jitted = mesh_jit(graph, args, (0,) if given else (), nodes, live_refs)
+    else:
+        key_text = _stable_key(nodes, live_refs, g)
+        if key_text is not None:
+            key_text += f"\ndonated {given}"
+        jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
+                                  device=g.device)
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
 
     def run(inputs, scalars):
         return jitted([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
     return run
+
+
+def _mesh_jit(nodes):
+    """The compiler a collective among nodes brings for its graph (see
+    distributed/in_graph.py; a graph holding one is never run op by op for
+    churn, as every rank must run the same program), or None."""
+    for kernel, _ in nodes:
+        mesh_jit = getattr(kernel, "mesh_jit", None)
+        if mesh_jit is not None:
+            return mesh_jit
+    return None
 
 
 def _stable_key(nodes, live_refs, g):

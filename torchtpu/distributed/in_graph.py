@@ -1,0 +1,196 @@
+"""Collectives in fused mode: nodes of the pending graph, not sync points.
+
+`run(gloo, kind, device_ids, t, **params)` gives collective `kind` of tpu
+tensor t as a new tpu tensor (of the shape xla.run gives). In strict and
+debug mode it runs at once (xla.run). In fused mode it is recorded like any
+op: its result is pending, and the graph that holds it compiles as one
+program over the group's mesh (`mesh_jit`): a jitted shard_map whose body
+is the whole recorded graph, each rank running it on its own values, with
+the collectives meeting inside. So XLA sees the collectives beside the
+compute, and a training step stays one graph.
+
+Only the collectives where every rank gives and takes alike are recorded:
+all_reduce, all_gather and reduce_scatter (what DDP and FSDP2 call in a
+step). Rooted ones (broadcast, reduce, gather, scatter), all_to_all and
+send/recv run at once, their inputs computed first: PyTorch's own code
+reads their results on some ranks only (DDP's start-up broadcast), and
+every rank must flush the same graphs. Before each run of a graph holding
+collectives the ranks swap its digest through gloo (agreement.py) and raise
+on every rank when they differ, rather than hang. One graph holds
+collectives over one set of devices: a collective over another set issues
+the pending graph first.
+"""
+import collections
+import hashlib
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import metrics, modes
+from ..dispatch.host import device_array
+from ..tensor import wrap
+from . import agreement, xla
+
+AXIS = xla.AXIS
+
+
+class _Stats:
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.recorded = collections.Counter()  # kind -> collectives put in fused graphs
+        self.issued = collections.Counter()    # kind -> collectives run on their own
+        self.mesh_graphs = 0                   # fused graphs compiled over a mesh
+
+    def snapshot(self):
+        return {"collectives_in_graphs": sum(self.recorded.values()),
+                "collectives_issued": sum(self.issued.values()),
+                "mesh_graphs_compiled": self.mesh_graphs}
+
+
+STATS = _Stats()
+metrics.register_provider(STATS.snapshot, STATS.reset)
+
+
+class CollectiveKernel:
+    """A collective as fused mode's recorder sees an op: fn runs it inside
+    the graph's shard_map, jitted runs it on its own (fused mode's op-by-op
+    replays), mesh_jit compiles a graph that holds it."""
+    __slots__ = ("name", "fn", "jitted", "avals", "stable_key", "bound", "device",
+                 "written_slots", "out_dtypes", "out_tree", "device_ids", "gloo")
+
+    def __init__(self, gloo, kind, device_ids, params, shape, dtype, device):
+        self.name = f"collective.{kind}"
+        self.stable_key = None  # its graphs are compiled here, not stored
+        self.bound = None
+        self.device = device
+        self.written_slots = ()
+        self.out_dtypes = None
+        self.out_tree = None
+        self.device_ids = device_ids
+        self.gloo = gloo
+        one = xla.body(kind, device_ids, params)
+
+        def fn(x):
+            return (one(x.reshape(1) if x.ndim == 0 else x),), ()
+
+        def alone(x):
+            if _refused[0] is not None:
+                # The ranks disagreed on the graph: fused mode's op-by-op
+                # rerun of it must not run collectives that would not meet.
+                raise _refused[0]
+            return (xla.run(kind, device_ids, x, **dict(params)),), ()
+
+        self.fn = fn
+        self.jitted = alone
+        n = len(device_ids)
+        local = (1,) + shape[1:] if not shape else shape
+        whole = jax.ShapeDtypeStruct((n * local[0],) + tuple(local[1:]), dtype)
+        out = jax.eval_shape(jax.shard_map(one, mesh=xla.mesh(device_ids), in_specs=P(AXIS),
+                                           out_specs=P(AXIS)), whole)
+        self.avals = ((jax.ShapeDtypeStruct((out.shape[0] // n,) + out.shape[1:], out.dtype),),
+                      ())
+
+    def mesh_jit(self, graph, args, donate_argnums, nodes, live_refs):
+        """graph(donated, kept, scalars) -> outputs (local arrays) compiled as
+        one program over this collective's mesh; the same call signature."""
+        return _MeshGraph(self, graph, args, donate_argnums, nodes, live_refs)
+
+
+def _digest(nodes, live_refs, args):
+    """The graph described the same way on every rank."""
+    parts = [f"{k.stable_key or k.name} <- {refs}" for k, refs in nodes]
+    parts.append(f"live {live_refs}")
+    parts.append(" ".join(f"{x.dtype}{list(x.shape)}" for group in args[:2] for x in group))
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+
+
+class _MeshGraph:
+    """A fused graph holding collectives, run as one program over the mesh."""
+
+    def __init__(self, kernel, graph, args, donate_argnums, nodes, live_refs):
+        self.gloo = kernel.gloo
+        self.n = len(kernel.device_ids)
+        self.sharding = NamedSharding(xla.mesh(kernel.device_ids), P(AXIS))
+        self.digest = _digest(nodes, live_refs, args)
+        self.scalar_out = []  # which outputs are 0-d (known once traced)
+        donated, kept, _ = args
+        flags = [[x.ndim == 0 for x in donated], [x.ndim == 0 for x in kept]]
+        scalar_out = self.scalar_out
+
+        def body(d, k, s):
+            d = [x.reshape(()) if z else x for x, z in zip(d, flags[0])]
+            k = [x.reshape(()) if z else x for x, z in zip(k, flags[1])]
+            outs = graph(d, k, s)
+            scalar_out[:] = [o.ndim == 0 for o in outs]
+            return [o.reshape(1) if o.ndim == 0 else o for o in outs]
+
+        mapped = jax.shard_map(body, mesh=self.sharding.mesh,
+                               in_specs=(P(AXIS), P(AXIS), P()), out_specs=P(AXIS),
+                               check_vma=False)
+        self.jitted = jax.jit(mapped, donate_argnums=donate_argnums)
+        STATS.mesh_graphs += 1
+
+    def _whole(self, x):
+        if x.ndim == 0:
+            x = x.reshape(1)
+        return jax.make_array_from_single_device_arrays(
+            (self.n * x.shape[0],) + x.shape[1:], self.sharding, [x])
+
+    def __call__(self, donated, kept, scalars):
+        try:
+            agreement.exchange(self.gloo, "a fused graph holding collectives", -1, self.digest)
+        except RuntimeError as e:
+            _refused[0] = e
+            raise
+        outs = self.jitted([self._whole(x) for x in donated], [self._whole(x) for x in kept],
+                           list(scalars))
+        local = [o.addressable_shards[0].data for o in outs]
+        return [x.reshape(()) if z else x for x, z in zip(local, self.scalar_out)]
+
+
+RECORDED = ("all_reduce", "all_gather", "reduce_scatter")
+_kernels = {}
+_last = [None, None]  # (id of the graph the last collective went into, its devices)
+_refused = [None]     # the error of the last graph the ranks disagreed on
+
+
+def settle():
+    """After a collective run at once, in fused mode: issue what it wrote, so
+    that every rank (root or not, writer or not) goes on from an empty graph
+    and the graphs they record next are the same."""
+    ex = modes.current()
+    if ex.name == "fused":
+        ex.flush("collective")
+
+
+def run(gloo, kind, device_ids, t, rooted=False, **params):
+    """Collective kind of tpu tensor t over device_ids (group-rank order) as a
+    new tpu tensor on t's device; rooted: some rank drops the result."""
+    index = t.device.index
+    ex = modes.current()
+    if ex.name != "fused" or rooted or kind not in RECORDED:
+        STATS.issued[kind] += 1
+        result = xla.run(kind, device_ids, device_array(t), **params)
+        return wrap(result, t.dtype, device=index)
+    if t._view is not None:
+        t = t.clone()  # the collective reads a whole storage
+    storage = t._storage
+    array = storage.array
+    device_ids = tuple(device_ids)
+    key = (id(gloo), kind, device_ids, tuple(sorted(params.items())), tuple(array.shape),
+           str(array.dtype), index)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        kernel = _kernels[key] = CollectiveKernel(gloo, kind, device_ids,
+                                                  tuple(sorted(params.items())),
+                                                  tuple(array.shape), array.dtype, index)
+    _refused[0] = None
+    if _last[0] == id(ex._graph) and _last[1] != device_ids and ex._graph.nodes:
+        ex.flush("collective")  # a graph's collectives span one mesh
+    outs, _ = ex.run(kernel, [storage.array], [storage])
+    _last[:] = [id(ex._graph), device_ids]
+    STATS.recorded[kind] += 1
+    return wrap(outs[0], t.dtype, device=index)
