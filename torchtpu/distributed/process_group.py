@@ -9,7 +9,9 @@ memory. CPU tensors, and tpu tensors without jax.distributed, go through
 gloo on the host (host.py).
 
 Each call returns a finished Work: the collective has been issued (in
-strict mode asynchronously: a read of the result waits for it).
+strict mode asynchronously: a read of the result waits for it; in fused
+mode all_reduce, all_gather and reduce_scatter are recorded into the
+pending graph, in_graph.py).
 """
 import math
 
