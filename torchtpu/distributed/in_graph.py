@@ -16,7 +16,10 @@ send/recv run at once, their inputs computed first: PyTorch's own code
 reads their results on some ranks only (DDP's start-up broadcast), and
 every rank must flush the same graphs. Before each run of a graph holding
 collectives the ranks swap its digest through gloo (agreement.py) and raise
-on every rank when they differ, rather than hang. One graph holds
+on every rank when their collectives differ, rather than hang; graphs
+with the same collectives amid different local ops (each rank's own
+offsets) run op by op on every rank instead, as programs that differ do
+not meet. One graph holds
 collectives over one set of devices: a collective over another set issues
 the pending graph first.
 """
@@ -43,11 +46,13 @@ class _Stats:
         self.recorded = collections.Counter()  # kind -> collectives put in fused graphs
         self.issued = collections.Counter()    # kind -> collectives run on their own
         self.mesh_graphs = 0                   # fused graphs compiled over a mesh
+        self.graphs_differ = 0                 # runs of them op by op (GraphsDiffer)
 
     def snapshot(self):
         return {"collectives_in_graphs": sum(self.recorded.values()),
                 "collectives_issued": sum(self.issued.values()),
-                "mesh_graphs_compiled": self.mesh_graphs}
+                "mesh_graphs_compiled": self.mesh_graphs,
+                "mesh_graphs_run_op_by_op": self.graphs_differ}
 
 
 STATS = _Stats()
@@ -99,12 +104,23 @@ class CollectiveKernel:
         return _MeshGraph(self, graph, args, donate_argnums, nodes, live_refs)
 
 
-def _digest(nodes, live_refs, args):
-    """The graph described the same way on every rank."""
-    parts = [f"{k.stable_key or k.name} <- {refs}" for k, refs in nodes]
-    parts.append(f"live {live_refs}")
-    parts.append(" ".join(f"{x.dtype}{list(x.shape)}" for group in args[:2] for x in group))
-    return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).hexdigest()
+def _digests(nodes, live_refs, args):
+    """(the graph's collectives in order, the whole graph), each described
+    the same way on every rank."""
+    collectives = [f"{k.name} {k.device_ids} {k.avals}" for k, _ in nodes
+                   if type(k) is CollectiveKernel]
+    whole = [f"{k.stable_key or k.name} <- {refs}" for k, refs in nodes]
+    whole.append(f"live {live_refs}")
+    whole.append(" ".join(f"{x.dtype}{list(x.shape)}" for group in args[:2] for x in group))
+    return tuple(hashlib.blake2b("\n".join(p).encode(), digest_size=16).hexdigest()
+                 for p in (collectives, whole))
+
+
+class GraphsDiffer(RuntimeError):
+    """The ranks' graphs hold the same collectives amid different local ops
+    (an FSDP2 rank slices its own shard): programs that differ do not meet,
+    so fused mode runs this graph op by op on every rank, its collectives
+    each on its own, in the order all ranks agreed."""
 
 
 class _MeshGraph:
@@ -114,7 +130,7 @@ class _MeshGraph:
         self.gloo = kernel.gloo
         self.n = len(kernel.device_ids)
         self.sharding = NamedSharding(xla.mesh(kernel.device_ids), P(AXIS))
-        self.digest = _digest(nodes, live_refs, args)
+        self.collectives, self.whole = _digests(nodes, live_refs, args)
         self.scalar_out = []  # which outputs are 0-d (known once traced)
         donated, kept, _ = args
         flags = [[x.ndim == 0 for x in donated], [x.ndim == 0 for x in kept]]
@@ -141,10 +157,14 @@ class _MeshGraph:
 
     def __call__(self, donated, kept, scalars):
         try:
-            agreement.exchange(self.gloo, "a fused graph holding collectives", -1, self.digest)
+            found = agreement.exchange(self.gloo, "a fused graph holding collectives", -1,
+                                       self.collectives, self.whole)
         except RuntimeError as e:
             _refused[0] = e
             raise
+        if len({whole for _, whole in found}) > 1:
+            STATS.graphs_differ += 1
+            raise GraphsDiffer("the ranks' graphs differ in their local ops")
         outs = self.jitted([self._whole(x) for x in donated], [self._whole(x) for x in kept],
                            list(scalars))
         local = [o.addressable_shards[0].data for o in outs]
