@@ -46,3 +46,25 @@ def test_generate_gives_cpu_tokens_with_few_compilations(model_name, cache, mode
     assert got.shape == want.shape == (2, 6 + NEW_TOKENS)
     assert torch.equal(got, want)
     assert snap["compilations"] <= 16, snap
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_sampling_is_reproducible_under_manual_seed_with_one_sync_a_token(mode):
+    model = _tiny("llama").to("tpu")
+    prompt = torch.randint(0, 256, (2, 6)).to("tpu")
+    n = 24
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=0.8, top_k=50,
+              top_p=0.9, pad_token_id=0)
+    runs = []
+    with torchtpu.eager_mode(mode), torch.no_grad():
+        for seed in (123, 123, 7):
+            torch.manual_seed(seed)
+            torchtpu.metrics.reset()
+            runs.append(model.generate(prompt, **kw).cpu())
+            # Hugging Face reads whether all sequences finished once a token;
+            # sampling itself adds no read.
+            assert torchtpu.metrics.snapshot()["syncs"] <= n + 8
+    assert runs[0].shape == (2, 6 + n)
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+    assert int(runs[0].min()) >= 0 and int(runs[0].max()) < 256

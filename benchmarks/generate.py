@@ -1,0 +1,107 @@
+"""Hugging Face generate() on tpu against PyTorch CPU eager: greedy decoding
+of a tiny Llama (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256) and a
+tiny GPT-2 (2 layers, 64, 4 heads, vocab 256), batch 2, a 6-token prompt,
+with the dynamic cache and the static one.
+
+Each (model, cache, mode) runs in its own process with an empty compilation
+cache: a warm-up of 8 tokens from another prompt, then 48 and 256 new
+tokens. "first" is the first timed run of each length, compilation
+included; "warm" the median of 3 more; CPU eager's median of 3 runs in the
+same process, between them. Compilations are the first run's.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LENGTHS = (48, 256)
+
+
+def _model(name):
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=512)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _worker(model_name, cache, mode):
+    import torch
+    import torchtpu
+    model = _model(model_name)
+    prompt, warm = torch.randint(0, 256, (2, 6)), torch.randint(0, 256, (2, 6))
+    kw = dict(do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+
+    def timed(m, ids, n):
+        start = time.perf_counter()
+        out = m.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        out = out.cpu()
+        return (time.perf_counter() - start) / n * 1e3, out
+
+    rows = []
+    with torch.no_grad():
+        timed(model, warm, 8)
+        cpu = {n: [timed(model, prompt, n) for _ in range(3)] for n in LENGTHS}
+        tpu_model = model.to("tpu")
+        with torchtpu.eager_mode(mode):
+            timed(tpu_model, warm.to("tpu"), 8)
+            for n in LENGTHS:
+                torchtpu.metrics.reset()
+                first, out = timed(tpu_model, prompt.to("tpu"), n)
+                snap = torchtpu.metrics.snapshot()
+                warm_ms = statistics.median(timed(tpu_model, prompt.to("tpu"), n)[0] for _ in range(3))
+                cpu_ms = statistics.median(t for t, _ in cpu[n])
+                rows.append(dict(model=model_name, cache=cache, mode=mode, tokens=n,
+                                 equal=bool(torch.equal(out, cpu[n][0][1])), first=first,
+                                 warm=warm_ms, cpu=cpu_ms, first_ratio=first / cpu_ms,
+                                 warm_ratio=warm_ms / cpu_ms, compilations=snap["compilations"]))
+    print("ROWS " + json.dumps(rows))
+
+
+def generate():
+    rows = []
+    for model_name in ("llama", "gpt2"):
+        for cache in ("dynamic", "static"):
+            for mode in ("strict", "fused"):
+                with tempfile.TemporaryDirectory() as cache_dir:
+                    env = dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir)
+                    proc = subprocess.run(
+                        [sys.executable, os.path.abspath(__file__), "--worker", model_name, cache, mode],
+                        env=env, capture_output=True, text=True, timeout=1200)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("ROWS ")), None)
+                if line is None:
+                    raise RuntimeError(f"generate benchmark {model_name}/{cache}/{mode} failed:\n"
+                                       f"{proc.stderr[-3000:]}")
+                rows += json.loads(line[5:])
+    return rows
+
+
+generate.title = ("Hugging Face generate(), greedy, batch 2: ms per token on tpu (first run, "
+                  "compilation included, and warm) vs PyTorch CPU eager, same process")
+generate.columns = [("model", "model", "{}"), ("cache", "cache", "{}"), ("mode", "mode", "{}"),
+                    ("tokens", "new tokens", "{}"), ("equal", "tokens equal CPU's", "{}"),
+                    ("first", "ms/token first", "{:.1f}"), ("warm", "ms/token warm", "{:.1f}"),
+                    ("cpu", "CPU eager ms/token", "{:.1f}"),
+                    ("first_ratio", "first / CPU", "{:.2f}x"), ("warm_ratio", "warm / CPU", "{:.2f}x"),
+                    ("compilations", "compilations (first)", "{}")]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        sys.path.insert(0, os.path.join(HERE, ".."))
+        _worker(*sys.argv[2:5])
+    else:
+        sys.path.insert(0, HERE)
+        from common import table
+        print(table(generate, generate()))
