@@ -138,3 +138,17 @@ def test_buckets(monkeypatch):
     assert [growth.bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
     monkeypatch.setattr(growth, "GROWTH_MIN", 5)
     assert [growth.bucket(n) for n in (1, 5, 6, 11)] == [5, 5, 10, 20]
+
+
+def test_advisor_names_the_op_line_and_bucket(monkeypatch):
+    from torchtpu import advisor
+    advisor.S.reset()
+    x = torch.randn(2, 3).to("tpu")
+    for _ in range(4):
+        x = torch.cat([x, torch.randn(2, 1).to("tpu")], 1)
+        x.softmax(-1)  # reads the grown tensor whole
+    for n in range(10, 10 + advisor.CHURN_KERNELS):
+        torch.ones(n, 3, device="tpu").exp()
+    text = advisor.summary()
+    assert "aten._softmax.default at test_growth.py:" in text and "its bucket is 128" in text
+    assert "aten.exp.default" in text and f"dim 0 (10..{9 + advisor.CHURN_KERNELS}), bucket 128" in text

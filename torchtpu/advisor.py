@@ -32,10 +32,11 @@ class _State:
         self.fallback_lines = {}                 # op -> first user line
         self.kernels = collections.Counter()     # op -> kernels compiled
         self.churn_lines = {}                    # op -> line at the threshold
+        self.churn_shapes = collections.defaultdict(list)  # op -> first argument's shapes
         self.syncs = collections.Counter()       # (line, reason) -> count
         self.sync_seconds = 0.0
         self.steps = 0
-        self.grown_cuts = collections.Counter()  # (line, dim, bucket) -> count
+        self.grown_cuts = collections.Counter()  # (op, line, dim, bucket) -> count
 
 
 S = _State()
@@ -56,17 +57,39 @@ def note_fallback(op):
         S.fallback_lines[op] = errors.user_line(sys._getframe(1))
 
 
-def note_new_kernel(op):
-    """A new kernel was built for op (a cache miss: new shapes/arguments)."""
+def note_new_kernel(op, specs=()):
+    """A new kernel was built for op (a cache miss: new shapes/arguments);
+    specs: its arguments' specs, whose tensor shapes say which dim churns."""
     n = S.kernels[op] = S.kernels[op] + 1
+    shape = next((s[3] for s in specs if s and s[0] in ("t", "d") and s[4] is None), None)
+    if shape is not None and n <= CHURN_KERNELS:
+        S.churn_shapes[op].append(shape)
     if n == CHURN_KERNELS:
         S.churn_lines[op] = errors.user_line(sys._getframe(1))
 
 
-def note_grown_cut(line, dim, length, bucket):
+def _bucket_hint(shapes):
+    """Which dim of an op's first whole tensor argument varies across its
+    kernels, and the bucket (a power of two, at least 128) that would hold
+    every length seen: 'dim 1 (17..24), bucket 128', or ''."""
+    ranks = {len(s) for s in shapes}
+    if len(shapes) < 2 or len(ranks) != 1:
+        return ""
+    hints = []
+    for d in range(ranks.pop()):
+        sizes = {s[d] for s in shapes}
+        if len(sizes) > 1:
+            bucket = 128
+            while bucket < max(sizes):
+                bucket *= 2
+            hints.append(f"dim {d} ({min(sizes)}..{max(sizes)}), bucket {bucket}")
+    return "; ".join(hints)
+
+
+def note_grown_cut(op, line, dim, length, bucket):
     """A tensor grown step by step (torchtpu.dispatch.growth) is read whole
-    by an op that does not know growth: it compiles for each length."""
-    S.grown_cuts[(line, dim, bucket)] += 1
+    by op, which does not know growth: it compiles for each length."""
+    S.grown_cuts[(op, line, dim, bucket)] += 1
 
 
 def sync_point(read):
@@ -125,13 +148,15 @@ def summary():
         out.append("  Shape churn (ops compiled again for each new shape; pad or bucket "
                    "the varying dimension):")
         for op, n in sorted(churn, key=lambda kv: -kv[1])[:8]:
+            hint = _bucket_hint(S.churn_shapes.get(op, []))
             out.append(f"    {op}: {n} compilations, churning at "
-                       f"{_short(S.churn_lines.get(op, '<unknown>'))}")
+                       f"{_short(S.churn_lines.get(op, '<unknown>'))}"
+                       + (f"; varying {hint}" if hint else ""))
     if S.grown_cuts:
         out.append("  Growing tensors read whole (torch.cat in a loop; the op that reads one "
                    "compiles for each length, where cat, views and attention use its bucket):")
-        for (line, dim, bucket), n in S.grown_cuts.most_common(6):
-            out.append(f"    {_short(line)}: dim {dim}, {n} times; its bucket is {bucket}")
+        for (op, line, dim, bucket), n in S.grown_cuts.most_common(6):
+            out.append(f"    {op} at {_short(line)}: dim {dim}, {n} times; its bucket is {bucket}")
     graphs = snap.get("graphs_compiled", 0)
     hits = snap.get("graph_cache_hits", 0)
     if graphs >= CHURN_KERNELS and graphs > hits:

@@ -215,7 +215,7 @@ def _run_lowered(plan, args, kwargs):
         entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(storages), out_meta,
                                                 orders, device),
                                   out_meta, out_tdtypes, orders))
-        advisor.note_new_kernel(plan.name)
+        advisor.note_new_kernel(plan.name, pos_specs)
     kernel, out_meta, out_tdtypes, orders = entry
     metrics.M.ops_dispatched += 1
     flat = arrays
