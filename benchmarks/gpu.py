@@ -232,7 +232,9 @@ def tables(results, smoke):
         lines.append(f"| error: {per_op['error']} | — | — |")
     for r in per_op.get("rows", []):
         lines.append(f"| {r['mode']} | {r['median']:.1f} | {r['best']:.1f} |")
-    head = ["model"] + [t for _, t in COLUMNS] + [f"{a} / {b}" for a, b in RATIOS] + ["replay state in place"]
+    short = {"cuda_eager": "CUDA eager", "inductor": "Inductor"}
+    head = (["model"] + [t for _, t in COLUMNS] + [f"{a} / {short[b]}" for a, b in RATIOS]
+            + ["replay state in place"])
     lines += ["", "AdamW training step, ms per step (median)", "",
               "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     errors = []
