@@ -169,8 +169,10 @@ ACTIVITIES = [
      "lower_sharding_computation"),
     ("compiling or loading executables through JAX's cache", "jax/_src/compiler.py",
      "compile_or_get_cached"),
-    ("  of it: reading entries (torchtpu's disk cache)", "torchtpu/cache.py", "get"),
-    ("reading stored fused-graph programs (torchtpu)", "torchtpu/cache.py", "jit_stored"),
+    ("reading checked files (torchtpu's disk cache: records and JAX's entries)",
+     "torchtpu/cache_files.py", "get"),
+    ("loading stored executables (torchtpu: per-op kernels, fused graphs)", "torchtpu/cache.py",
+     "_load_executable"),
     ("waiting for the device's results", "jax/_src/array.py", "_value"),
 ]
 
