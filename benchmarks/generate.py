@@ -6,9 +6,11 @@ with the dynamic cache and the static one.
 Each (model, cache, mode) runs in its own process with an empty compilation
 cache: a warm-up of 8 tokens from another prompt, then 48 and 256 new
 tokens. "first" is the first timed run of each length, compilation
-included; "warm" the median of 3 more; CPU eager's median of 3 runs in the
-same process, between them. Compilations are the first run's.
+included; "warm" the median of 3 more, alternating with CPU eager's runs of
+the same model in the same process (CPU's figure is the median of 4).
+Compilations are the first run's.
 """
+import copy
 import json
 import os
 import statistics
@@ -51,21 +53,25 @@ def _worker(model_name, cache, mode):
 
     rows = []
     with torch.no_grad():
+        tpu_model = copy.deepcopy(model).to("tpu")
         timed(model, warm, 8)
-        cpu = {n: [timed(model, prompt, n) for _ in range(3)] for n in LENGTHS}
-        tpu_model = model.to("tpu")
         with torchtpu.eager_mode(mode):
             timed(tpu_model, warm.to("tpu"), 8)
             for n in LENGTHS:
+                cpu_ms, want = timed(model, prompt, n)
+                cpu_times = [cpu_ms]
                 torchtpu.metrics.reset()
                 first, out = timed(tpu_model, prompt.to("tpu"), n)
                 snap = torchtpu.metrics.snapshot()
-                warm_ms = statistics.median(timed(tpu_model, prompt.to("tpu"), n)[0] for _ in range(3))
-                cpu_ms = statistics.median(t for t, _ in cpu[n])
+                warm_times = []
+                for _ in range(3):  # alternating, so both see the same load
+                    cpu_times.append(timed(model, prompt, n)[0])
+                    warm_times.append(timed(tpu_model, prompt.to("tpu"), n)[0])
+                cpu_ms, warm_ms = statistics.median(cpu_times), statistics.median(warm_times)
                 rows.append(dict(model=model_name, cache=cache, mode=mode, tokens=n,
-                                 equal=bool(torch.equal(out, cpu[n][0][1])), first=first,
-                                 warm=warm_ms, cpu=cpu_ms, first_ratio=first / cpu_ms,
-                                 warm_ratio=warm_ms / cpu_ms, compilations=snap["compilations"]))
+                                 equal=bool(torch.equal(out, want)), first=first, warm=warm_ms,
+                                 cpu=cpu_ms, first_ratio=first / cpu_ms, warm_ratio=warm_ms / cpu_ms,
+                                 compilations=snap["compilations"]))
     print("ROWS " + json.dumps(rows))
 
 
