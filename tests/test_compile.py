@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import torchtpu
 from torchtpu import compiled as compiled_graphs, metrics
+from models import CNN, Transformer
 from conftest import assert_same
 
 
@@ -173,36 +174,10 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
 
 
-# No parameter whose gradient is zero in exact arithmetic (a bias before batch
-# norm, attention's key bias): Adam's update of such a parameter is the sign
-# of rounding noise times lr, different on any two backends.
-class _CNN(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1, bias=False)
-        self.norm = torch.nn.BatchNorm2d(4)
-        self.head = torch.nn.Linear(4 * 3 * 3, 3)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.norm(self.conv(x))), 2)
-        return self.head(x.flatten(1))
-
-
-class _Transformer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
-                                                      bias=False)
-        self.head = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.head(self.layer(x).mean(1))
-
-
 # model, the shape of a batch, tolerance
 MODELS = {"mlp": (_mlp, (4, 6), dict(rtol=1e-5, atol=1e-6)),
-          "cnn": (_CNN, (4, 2, 6, 6), dict(rtol=1e-4, atol=1e-5)),
-          "transformer": (_Transformer, (4, 5, 8), dict(rtol=1e-4, atol=1e-5))}
+          "cnn": (CNN, (4, 2, 6, 6), dict(rtol=1e-4, atol=1e-5)),
+          "transformer": (Transformer, (4, 5, 8), dict(rtol=1e-4, atol=1e-5))}
 OPTIMIZERS = {
     "sgd": lambda params, tpu: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     # capturable: the step counts stay on the device, in the computation

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import torchtpu
 from torchtpu import metrics
 
+from models import CNN, Transformer
 from conftest import assert_at_line, assert_same, to_cpu
 
 STEPS = 5
@@ -26,34 +27,8 @@ def _data(n, shape=(4, 6)):
             for _ in range(n)]
 
 
-# No parameter whose gradient is zero in exact arithmetic (a bias before batch
-# norm, attention's key bias): Adam's update of such a parameter is the sign
-# of rounding noise times lr, different on any two backends.
-class _CNN(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1, bias=False)
-        self.norm = torch.nn.BatchNorm2d(4)
-        self.head = torch.nn.Linear(4 * 3 * 3, 3)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.norm(self.conv(x))), 2)
-        return self.head(x.flatten(1))
-
-
-class _Transformer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
-                                                      bias=False)
-        self.head = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        return self.head(self.layer(x).mean(1))
-
-
 # model, the shape of a batch
-MODELS = {"cnn": (_CNN, (4, 2, 6, 6)), "transformer": (_Transformer, (4, 5, 8))}
+MODELS = {"cnn": (CNN, (4, 2, 6, 6)), "transformer": (Transformer, (4, 5, 8))}
 
 
 OPTIMIZERS = {
