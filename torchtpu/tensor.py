@@ -148,13 +148,15 @@ def make_view(storage_shape, shape, stride, offset):
 
 
 
-def grown_view(view, shape, axis, capacity):
-    """A view (shape, stride, offset) over a contiguous storage array of
-    `shape`, as the same view over that array padded along `axis` to
-    `capacity` (a GrownStorage's): ((shape, stride), offset), or None when
-    a view dim does not step along one storage axis within it (then the
-    exact array is read). The offset varies from step to step (x[:, -1]),
-    so kernels take it as a dynamic scalar."""
+def grown_view(t):
+    """t's view (shape, stride, offset) over its GrownStorage's exact array,
+    as the same view over the padded array (padded along the storage's axis
+    to its bucket): ((shape, stride), offset), or None when a view dim does
+    not step along one storage axis within it (then the exact array is
+    read). The offset varies from step to step (x[:, -1]), so kernels take
+    it as a dynamic scalar. The storage's padded tensor must be alive."""
+    view, shape, axis = t._view, t._key[1], t._storage.axis
+    capacity = t._storage.grown.shape[axis]
     if len(view) != 3:
         return None  # a dtype view
     vshape, vstride, offset = view

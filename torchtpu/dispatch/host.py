@@ -29,7 +29,7 @@ def device_array(t):
     storage = t._storage
     if type(storage) is GrownStorage and t._view is not None and storage.grown is not None:
         # A view of a grown storage (ids[:, -1]): read from its padded array.
-        found = grown_view(t._view, t._key[1], storage.axis, storage.grown.shape[storage.axis])
+        found = grown_view(t)
         if found is not None:
             arr = modes.current().concrete(storage.grown._storage)
             if type(arr) is Lost:

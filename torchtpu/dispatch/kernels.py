@@ -126,7 +126,7 @@ def _grown_spec(call, t):
     grown = storage.grown
     if grown is None:
         return None
-    found = grown_view(t._view, t._key[1], storage.axis, grown.shape[storage.axis])
+    found = grown_view(t)
     if found is None:
         return None
     view, offset = found
