@@ -49,6 +49,95 @@ WORKER = textwrap.dedent("""\
     report["close"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
     report["diff"] = max(float((a - b).abs().max()) for a, b in zip(got, want))
 
+    # Each collective in fused mode against gloo on CPU tensors: the call
+    # flushes nothing (recorded, or for gather and scatter issued at once
+    # after a flush) and the read is one flush.
+    R = dist.ReduceOp
+
+    def data(dev, n=4, dtype=torch.float32):
+        v = torch.tensor([1.5 * (rank + 1), -2.25, 0.125 * rank, 3.0, -0.0, 7.0][:n],
+                         dtype=torch.float64).to(dtype).to(dev)
+        return v * 1 if dtype != torch.bool else v  # a pending value in fused mode
+
+    def broadcast(dev, group):
+        t = data(dev)
+        t[3] = float("nan") if rank == 1 else 5.0  # bits survive: NaN, -0.0
+        dist.broadcast(t, src=1, group=group)
+        return [t]
+
+    def reduce(dev, group, dtype=torch.float32):
+        t = data(dev, dtype=dtype)
+        dist.reduce(t, dst=0, op=R.MAX, group=group)
+        return [t]
+
+    def a2a_even(dev, group):
+        t = torch.empty(4, 2, device=dev)
+        dist.all_to_all_single(t, torch.arange(8.0, device=dev).reshape(4, 2) + 10 * rank,
+                               group=group)
+        return [t]
+
+    def a2a_uneven(dev, group):  # splits that differ between the ranks
+        ins, outs = ([1, 3], [1, 2]) if rank == 0 else ([2, 2], [3, 2])
+        t = torch.empty(sum(outs), device=dev)
+        dist.all_to_all_single(t, torch.arange(4.0, device=dev) + 10 * rank, outs, ins,
+                               group=group)
+        return [t]
+
+    def a2a_lists(dev, group):
+        outs = [torch.empty(2, 3, dtype=torch.int32, device=dev) for _ in range(2)]
+        ins = [torch.full((2, 3), 10 * rank + i, dtype=torch.int32, device=dev) * 1
+               for i in range(2)]
+        dist.all_to_all(outs, ins, group=group)
+        return outs
+
+    def gather(dev, group):
+        parts = [torch.empty(4, device=dev) for _ in range(2)] if rank == 1 else None
+        dist.gather(data(dev), parts, dst=1, group=group)
+        return parts or []
+
+    def scatter(dev, group):
+        t = torch.empty(3, dtype=torch.int64, device=dev)
+        parts = [torch.arange(3, device=dev) + 10 * i for i in range(2)]
+        dist.scatter(t, parts if rank == 0 else None, src=0, group=group)
+        return [t]
+
+    def functional(dev, group):
+        name = (group or dist.group.WORLD).group_name
+        c10d = torch.ops._c10d_functional
+        x = data(dev)
+        outs = [c10d.all_reduce(x, "sum", name), c10d.all_gather_into_tensor(x, 2, name),
+                c10d.reduce_scatter_tensor(x, "avg", 2, name), c10d.broadcast(x, 0, name),
+                c10d.all_to_all_single(x, [2, 2], [2, 2], name)]
+        return [c10d.wait_tensor(t) for t in outs]
+
+    CALLS = {"broadcast": broadcast, "reduce": reduce,
+             "reduce bool": lambda d, g: reduce(d, g, torch.bool),
+             "all_to_all_single even": a2a_even, "all_to_all_single uneven": a2a_uneven,
+             "all_to_all": a2a_lists, "gather": gather, "scatter": scatter,
+             "functional": functional}
+    report["collectives"] = {}
+    for name, fn in CALLS.items():
+        want = [t.cpu() for t in fn("cpu", gloo)]
+        torchtpu.sync()
+        before = metrics.snapshot()
+        got = fn("tpu", None)
+        during = metrics.snapshot()
+        got = [t.cpu() for t in got]
+        after = metrics.snapshot()
+        delta = lambda a, b, k: a[k] - b[k]  # noqa: E731
+        report["collectives"][name] = {
+            "equal": len(got) == len(want) and all(
+                a.dtype == b.dtype and a.shape == b.shape and
+                torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                            b.view(torch.int32) if b.dtype == torch.float32 else b)
+                for a, b in zip(got, want)),
+            "values": [str(t) for t in got] + [str(t) for t in want],
+            "flushes in the call": sum(during["flushes"].values()) - sum(before["flushes"].values()),
+            "flushes to read": sum(after["flushes"].values()) - sum(during["flushes"].values()),
+            "recorded": delta(after, before, "collectives_in_graphs"),
+            "issued": delta(after, before, "collectives_issued"),
+            "op by op": delta(after, before, "mesh_graphs_run_op_by_op")}
+
     # A local op more on one rank is fine: only the collectives must agree.
     t = torch.ones(3, device="tpu")
     t = t * 2 if rank == 0 else t
@@ -87,4 +176,18 @@ def test_fused_ddp_step_is_one_graph_with_its_collectives(tmp_path):
             assert step["collectives"] >= 2 and step["issued"] == 0, r["steps"]
         assert [s["compiled"] for s in r["steps"][3:]] == [0, 0], r["steps"]
         assert r["local ops differ"] == [3.0] * 3
+        checked = r["collectives"]
+        for name, c in checked.items():
+            assert c["equal"], (name, c)
+            if name in ("gather", "scatter"):
+                # Rooted lists (only the root has one): issued at once, after
+                # a flush of their inputs; what they write is issued too.
+                assert c["recorded"] == 0 and c["issued"] == 1, (name, c)
+                continue
+            assert c["flushes in the call"] == 0 and c["flushes to read"] == 1, (name, c)
+            assert c["recorded"] == (5 if name == "functional" else 1), (name, c)
+            assert c["issued"] == 0, (name, c)
+            # Uneven splits that differ between the ranks pad differently:
+            # that graph runs op by op on both (its collective still inside).
+            assert c["op by op"] == (name == "all_to_all_single uneven"), (name, c)
         assert "the ranks called it with different arguments" in r["mismatch"], r["mismatch"]

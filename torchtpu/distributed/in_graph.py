@@ -171,7 +171,7 @@ class _MeshGraph:
         return [x.reshape(()) if z else x for x, z in zip(local, self.scalar_out)]
 
 
-RECORDED = ("all_reduce", "all_gather", "reduce_scatter")
+RECORDED = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 _kernels = {}
 _last = [None, None]  # (id of the graph the last collective went into, its devices)
 _refused = [None]     # the error of the last graph the ranks disagreed on

@@ -23,7 +23,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                        ReduceScatterOptions, ScatterOptions)
 
 from .. import runtime
-from . import agreement, host, in_graph, xla
+from . import agreement, fsdp_ops, host, in_graph, xla
 
 NAME = "tpu"
 _BITWISE = ("band", "bor", "bxor")
@@ -155,12 +155,10 @@ class TpuProcessGroup(dist.ProcessGroup):
         return self._all_reduce("all_reduce", tensors, opts)
 
     def _all_reduce(self, name, tensors, opts, root=None):
-        results = self.reduced(name, tensors, opts, root)
-        if root is None or root == self.rank():
-            for t, result in zip(tensors, results):
-                host.assign(t, result)
-        if root is not None:
-            in_graph.settle()
+        # reduce too: every rank writes (the others get their own values
+        # back), so that the ranks' fused graphs are the same.
+        for t, result in zip(tensors, self.reduced(name, tensors, opts, root)):
+            host.assign(t, result)
         return host.done(tensors)
 
     # The XLA paths' results as new tensors, which the functional
@@ -171,8 +169,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         devices, _, op = self._agree(name, tensors,
                                      f"{opts.reduceOp.op.name} {root} {_describe(tensors)}",
                                      check=lambda: _reduction(opts, tensors))
-        return [self._run("all_reduce", devices, t, rooted=root is not None, op=op).reshape(t.shape)
-                for t in tensors]
+        kind, params = ("all_reduce", {}) if root is None else ("reduce", {"root": root})
+        return [self._run(kind, devices, t, op=op, **params).reshape(t.shape) for t in tensors]
 
     def gathered(self, name, input, shape):
         """On XLA: the inputs of the group's ranks concatenated, a new tensor
@@ -212,10 +210,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         devices, _, _ = self._agree("broadcast", tensors, f"{root} {_describe(tensors)}")
         for t in tensors:
-            result = self._run("broadcast", devices, t, root=root)
-            if self.rank() != root:
-                _write(t, result)
-        in_graph.settle()
+            # root too gets its own bits back: the ranks' graphs are the same.
+            _write(t, self._run("broadcast", devices, t, root=root))
         return host.done(tensors)
 
     def _check_list(self, name, tensors, like):
@@ -332,7 +328,6 @@ class TpuProcessGroup(dist.ProcessGroup):
         width = max(int(e) for e in extras)
         if set(ins) == set(outs) == {width}:
             _write(output, self._run("all_to_all", devices, input))
-            in_graph.settle()
             return host.done(output)
         # Uneven splits: every rank sends n blocks of `width` rows, padded.
         padded = torch.zeros((n, width) + tuple(input.shape[1:]), dtype=input.dtype,
@@ -342,7 +337,6 @@ class TpuProcessGroup(dist.ProcessGroup):
                 padded[i, :ins[i]] = block
             blocks = self._run("all_to_all", devices, padded).reshape(padded.shape)
         host.assign(output, torch.cat([blocks[i, :outs[i]] for i in range(n)]))
-        in_graph.settle()
         return host.done(output)
 
     def alltoall(self, outputs, inputs, opts=AllToAllOptions()):
@@ -363,7 +357,6 @@ class TpuProcessGroup(dist.ProcessGroup):
             (len(outputs),) + tuple(inputs[0].shape))
         for i, out in enumerate(outputs):
             host.assign(out, rows[i])
-        in_graph.settle()
         return host.done(outputs)
 
     def send(self, tensors, dst, tag=0):
@@ -421,6 +414,9 @@ class TpuProcessGroup(dist.ProcessGroup):
 
 
 def _create(store, rank, size, timeout):
+    # FSDP2 needs a process group first: its copy-in gets its handler now,
+    # not at torchtpu's import (FSDP2's modules take a while to import).
+    fsdp_ops.register()
     return TpuProcessGroup(store, rank, size, timeout)
 
 

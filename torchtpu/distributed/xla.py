@@ -77,6 +77,13 @@ def _all_reduce(x, *, n, op):
     return _fold(lax.all_gather(x, AXIS), op, n)
 
 
+def _reduce(x, *, n, op, root):
+    """The reduction on root; the others keep their x (as gloo leaves them),
+    so that every rank writes the result and records the same graph."""
+    reduced = _all_reduce(x, n=n, op=op)
+    return jnp.where(lax.axis_index(AXIS) == root, reduced, x)
+
+
 def _select(x, root):
     """root's x on every rank, bit for bit: the others contribute zeros to a
     sum over x's bits."""
@@ -147,6 +154,7 @@ def _permute(x, *, n, pairs):
 
 BODIES = {
     "all_reduce": _all_reduce,
+    "reduce": _reduce,
     "broadcast": _broadcast,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
@@ -182,7 +190,7 @@ def run(kind, device_ids, x, **params):
     """This process's shard of collective `kind` over the devices device_ids
     (global JAX device ids, in group-rank order), x its local array on its
     device. The result has at least one dimension; shapes: all_reduce,
-    broadcast and permute keep x's (a scalar becomes (1,)), all_gather
+    reduce, broadcast and permute keep x's (a scalar becomes (1,)), all_gather
     concatenates along dim 0, reduce_scatter, all_to_all and scatter are
     flat."""
     jitted, sharding = _program(kind, tuple(device_ids), tuple(sorted(params.items())))
