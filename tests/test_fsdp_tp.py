@@ -216,7 +216,26 @@ WORKER = COMMON + textwrap.dedent("""\
     fully_shard(model, mesh=mesh)
     model[0].set_modules_to_forward_prefetch([model[2]])
     model[2].set_modules_to_backward_prefetch([model[0]])
-    compare(failures, train(model, X[half], Y[half]), reference(), 1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    # fully_shard's sharding (each rank slices its own chunk) issued first:
+    # left pending, it would join the first collective's graph, which would
+    # then differ between the ranks and run op by op.
+    torchtpu.sync()
+    steps = result["fused_steps"] = []
+    for _ in range(3):
+        before = torchtpu.metrics.snapshot()
+        F.mse_loss(model(X[half].to("tpu")), Y[half].to("tpu")).backward()
+        opt.step()
+        opt.zero_grad()
+        torchtpu.sync()
+        after = torchtpu.metrics.snapshot()
+        steps.append({k: after[k] - before[k] for k in (
+            "collectives_in_graphs", "collectives_issued", "mesh_graphs_compiled",
+            "mesh_graphs_run_op_by_op", "fused_fallbacks")})
+        steps[-1]["flushes"] = {k: v - before["flushes"].get(k, 0)
+                                for k, v in after["flushes"].items()
+                                if v != before["flushes"].get(k, 0)}
+    compare(failures, list(model.parameters()), reference(), 1e-6)
     torchtpu.set_eager_mode("strict")
 
     failures = section("fsdp_mixed")
@@ -321,6 +340,21 @@ def test_fsdp2_mixed_precision_trains_as_the_same_bf16_math_on_cpu(results):
 
 def test_fsdp2_fused_mode_with_explicit_prefetching(results):
     _section(results, "fsdp_fused_prefetch")
+    for r in results:
+        steps = r["fused_steps"]
+        for step in steps:
+            # Its all-gathers and reduce-scatters are nodes of the graphs, and
+            # the ranks' graphs are the same program: none runs op by op.
+            assert step["collectives_in_graphs"] >= 4 and step["collectives_issued"] == 0, steps
+            assert step["mesh_graphs_run_op_by_op"] == 0, steps
+        # The graphs holding them compile in the first step only. A step
+        # flushes at its sync and at FSDP2's stream events (a record is a
+        # flush boundary in fused mode), never for a collective or a read.
+        assert [s["mesh_graphs_compiled"] for s in steps[1:]] == [0, 0], steps
+        for step in steps:
+            assert step["flushes"]["sync"] == 1 and set(step["flushes"]) <= {"sync", "event"}
+        assert steps[1]["flushes"] == steps[2]["flushes"], steps
+        assert steps[2]["fused_fallbacks"] == 0, steps
 
 
 def test_tensor_parallel_trains_as_one_process_on_the_whole_batch(results):
