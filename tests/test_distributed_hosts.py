@@ -1,7 +1,8 @@
 """Processes sharing a host, and ranks that die, under torch.distributed on
 tpu: with torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE, each process's own
 device is tpu:LOCAL_RANK and its current device; a rank that exits before a
-collective makes the others fail within the group's timeout, naming it."""
+collective (rank 0 too, whose process starts JAX's coordination service)
+makes the others fail within the group's timeout, naming it."""
 import json
 import textwrap
 import time
@@ -106,17 +107,21 @@ DEAD_RANK_WORKER = textwrap.dedent("""\
 """)
 
 
-def test_a_dead_rank_fails_the_others_collective_naming_it(tmp_path):
-    # JAX's coordination service ends the survivor once it takes the dead
-    # rank for dead (its heartbeat timeout, made short here).
+@pytest.mark.parametrize("dead", [1, 0], ids=["rank 1", "rank 0, the coordinator's"])
+def test_a_dead_rank_fails_the_others_collective_naming_it(tmp_path, dead):
+    # Rank 0 starts JAX's coordination service, in a process of its own, so
+    # that its death is a rank's like any other. JAX's coordination service
+    # ends the survivor once it takes the dead rank for dead (its heartbeat
+    # timeout, made short here), after the Python error.
     procs, outs = start_ranks(tmp_path, DEAD_RANK_WORKER, 2,
-                              env={"DEAD_RANK": "1", "TORCHTPU_HEARTBEAT_TIMEOUT": "5"})
+                              env={"DEAD_RANK": str(dead), "TORCHTPU_HEARTBEAT_TIMEOUT": "5"})
     start = time.monotonic()
     logs = finish(procs, timeout=180)
     assert time.monotonic() - start < 120, logs
-    assert procs[1].returncode == 3, logs[1]
-    assert outs[0].exists(), logs[0]
-    report = json.load(open(outs[0]))
+    survivor = 1 - dead
+    assert procs[dead].returncode == 3, logs[dead]
+    assert outs[survivor].exists(), logs[survivor]
+    report = json.load(open(outs[survivor]))
     assert report["error"] is not None, report
     kind, is_runtime_error, message = report["error"]
     assert kind == "DistBackendError" and is_runtime_error, report
@@ -124,14 +129,12 @@ def test_a_dead_rank_fails_the_others_collective_naming_it(tmp_path):
     assert report["seconds"] < 20, report  # within the group's timeout
 
 
-def test_a_dead_rank_zero_ends_the_others_through_jax(tmp_path):
-    # Rank 0 serves JAX's coordinator: when it dies, JAX's coordination
-    # service ends the other processes at once (an abort with JAX's reason,
-    # no Python error), which is how they fail rather than hang.
-    procs, outs = start_ranks(tmp_path, DEAD_RANK_WORKER, 2, env={"DEAD_RANK": "0"})
-    start = time.monotonic()
-    logs = finish(procs, timeout=180)
-    assert time.monotonic() - start < 60, logs
-    assert procs[0].returncode == 3, logs[0]
-    assert procs[1].returncode != 0 and not outs[1].exists(), logs[1]
-    assert "JAX distributed service detected fatal errors" in logs[1], logs[1]
+def test_a_coordination_service_that_cannot_start_raises(monkeypatch):
+    from torchtpu.distributed import bootstrap, coordinator
+    with pytest.raises(RuntimeError, match="service on 256.1.1.1:99999 did not start: failed"):
+        coordinator.ServiceProcess("256.1.1.1:99999", 2, {"heartbeat_timeout": 5})
+    monkeypatch.setenv("TORCHTPU_COORDINATOR_PROCESS", "yes")
+    with pytest.raises(ValueError, match="TORCHTPU_COORDINATOR_PROCESS='yes' is not 0 or 1"):
+        bootstrap._service_apart()
+    monkeypatch.setenv("TORCHTPU_COORDINATOR_PROCESS", "0")
+    assert bootstrap._service_apart() is False

@@ -17,6 +17,10 @@ The environment it reads:
 - TORCHTPU_HEARTBEAT_TIMEOUT: seconds after which JAX's coordination
   service takes a silent process for dead and ends the others (default
   100, JAX's). A process whose peer died exits no sooner.
+- TORCHTPU_COORDINATOR_PROCESS: `1` (default) serves JAX's coordination
+  service from a child process of rank 0, so that a dead rank 0 fails the
+  others' collectives with a Python error rather than aborting them
+  (coordinator.py); `0` serves it in rank 0, as JAX does.
 - LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun sets both): several processes
   share this host. As under CUDA, where each process of
   `torchrun --nproc-per-node` sees every GPU and uses cuda:LOCAL_RANK, the
@@ -27,6 +31,8 @@ The environment it reads:
 """
 import multiprocessing
 import os
+
+from . import coordinator
 
 SWITCH = "TORCHTPU_DISTRIBUTED"
 PORT = "TORCHTPU_COORDINATOR_PORT"
@@ -106,7 +112,15 @@ def initialize_from_env():
     local = _local()
     if local is not None:
         _host_devices_for(local[1])
-    jax.distributed.initialize(coordinator_address(), int(os.environ["WORLD_SIZE"]),
-                               int(os.environ["RANK"]),
-                               heartbeat_timeout_seconds=int(os.environ.get(HEARTBEAT) or 100))
+    with coordinator.serving(_service_apart()):
+        jax.distributed.initialize(coordinator_address(), int(os.environ["WORLD_SIZE"]),
+                                   int(os.environ["RANK"]),
+                                   heartbeat_timeout_seconds=int(os.environ.get(HEARTBEAT) or 100))
     return True
+
+
+def _service_apart():
+    switch = os.environ.get(coordinator.SWITCH, "").strip()
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{coordinator.SWITCH}={switch!r} is not 0 or 1")
+    return switch != "0"
