@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import torchtpu
 from torchtpu import compiled as compiled_graphs, metrics
 from models import CNN, Transformer
-from conftest import assert_same
+from conftest import assert_at_line, assert_same
 
 
 class _Positions(torch.nn.Module):
@@ -209,38 +209,31 @@ def test_module_forward_is_one_graph_and_one_computation(mode):
     assert counter.frame_count == 1  # the same guards held: nothing recompiled
 
 
-def test_reduce_overhead_mode_runs_one_computation():
-    """mode="reduce-overhead" takes the same path: one computation per call,
-    no op dispatched after the first."""
-    torch.manual_seed(0)
-    ref = _mlp()
-    compiled = torch.compile(copy.deepcopy(ref).to("tpu"), backend="tpu", mode="reduce-overhead")
-    x = torch.randn(4, 6)
-    compiled(x.to("tpu"))
-    xt = x.to("tpu")
-    metrics.reset()
-    out = compiled(xt)
-    assert metrics.snapshot()["ops_dispatched"] == 0
-    assert_same(out, ref(x).detach(), rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_compiled_training_matches_cpu(mode, model_name, optimizer):
     """Five steps with a compiled forward (its backward compiled by
     AOTAutograd) and a compiled optimizer step, against CPU eager; every
     graph ran as one computation."""
+    _check_compiled_training(model_name, optimizer)
+
+
+def _check_compiled_training(model_name, optimizer, **compile_kwargs):
+    """Five compiled training steps against CPU eager's; returns the device
+    buffers of the parameters and optimizer state after the second step and
+    the last."""
     make, shape, tol = MODELS[model_name]
     torch.manual_seed(0)
     ref = make()
     model = copy.deepcopy(ref).to("tpu")
     opts = [OPTIMIZERS[optimizer](ref.parameters(), False),
             OPTIMIZERS[optimizer](model.parameters(), True)]
-    compiled = torch.compile(model, backend="tpu")
-    step = torch.compile(opts[1].step, backend="tpu")
+    compiled = torch.compile(model, backend="tpu", **compile_kwargs)
+    step = torch.compile(opts[1].step, backend="tpu", **compile_kwargs)
     before = dict(compiled_graphs.graph_fallbacks)
     g = torch.Generator().manual_seed(1)
-    for _ in range(5):
+    buffers = []
+    for i in range(5):
         x, y = torch.randn(*shape, generator=g), torch.randn(shape[0], 3, generator=g)
         loss = F.mse_loss(compiled(x.to("tpu")), y.to("tpu"))
         loss.backward()
@@ -251,10 +244,102 @@ def test_compiled_training_matches_cpu(mode, model_name, optimizer):
         opts[0].step()
         opts[0].zero_grad()
         assert_same(loss, want.detach(), **tol)
+        if i in (1, 4):
+            buffers.append(_buffers(model, opts[1]))
     assert compiled_graphs.graph_fallbacks == before
     ref_state = ref.state_dict()
     for name, value in model.state_dict().items():
         assert_same(value, ref_state[name], **tol)
+    return buffers
+
+
+def _buffers(model, opt):
+    """The device buffer of each parameter and optimizer state tensor now."""
+    torchtpu.sync()
+    tensors = list(model.parameters()) + [v for s in opt.state.values() for v in s.values()]
+    return [t._storage.array.unsafe_buffer_pointer() for t in tensors]
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", ["mlp", "transformer"])
+def test_reduce_overhead_replays_and_trains_as_cpu(model_name, optimizer):
+    """mode="reduce-overhead": each compiled graph (forward, backward, the
+    optimizer step) is captured once and replayed on every later call,
+    against CPU eager; the step writes the parameters and the optimizer's
+    state into their own buffers (donated), as a replayed capture does
+    (from the second step: the first replay after a capture copies them)."""
+    metrics.reset()
+    graphs_before = compiled_graphs._counter[0]
+    first, last = _check_compiled_training(model_name, optimizer, mode="reduce-overhead")
+    # Every call a replay (forward, backward, step: 3 a step), each graph
+    # AOTAutograd compiled captured once (SGD's first step, which makes its
+    # momentum buffers, is a graph of its own).
+    assert metrics.M.extra["graph_replays"] == 15
+    assert metrics.M.extra["graphs_captured"] == compiled_graphs._counter[0] - graphs_before
+    assert first == last
+
+
+def test_reduce_overhead_replays_in_each_mode(mode):
+    """The replayed graphs in each eager mode: CPU's values; a forward's
+    replay dispatches no op."""
+    _check_compiled_training("mlp", "adamw", mode="reduce-overhead")
+    torch.manual_seed(0)
+    ref = _mlp()
+    compiled = torch.compile(copy.deepcopy(ref).to("tpu"), backend="tpu", mode="reduce-overhead")
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        compiled(x.to("tpu"))
+        xt = x.to("tpu")
+        metrics.reset()
+        out = compiled(xt)
+        assert metrics.snapshot()["ops_dispatched"] == 0
+        assert metrics.M.extra["graph_replays"] == 1
+        assert_same(out, ref(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_default_backend_reduce_overhead_replays(routing_not_warned_yet):
+    """torch.compile(model, mode="reduce-overhead") with the default backend:
+    the "triton.cudagraphs" option it sets for Inductor reaches the tpu
+    backend, which replays."""
+    torch.manual_seed(0)
+    ref = _mlp()
+    x = torch.randn(4, 6)
+    with pytest.warns(UserWarning, match=_ROUTED):
+        compiled = torch.compile(copy.deepcopy(ref).to("tpu"), mode="reduce-overhead")
+        compiled(x.to("tpu"))
+    metrics.reset()
+    out = compiled(x.to("tpu") * 2)
+    assert metrics.M.extra.get("graph_replays") == 1
+    assert_same(out, ref(x * 2).detach(), rtol=1e-5, atol=1e-6)
+
+
+def _sine_logging_its_sum(x, log):
+    h = x.sin()
+    log.append(h.sum().item())  # the sync
+    return h * 2
+
+
+def test_reduce_overhead_sync_splits_the_graph_and_raises_inside_capture():
+    """A sync in a reduce-overhead function splits it (Dynamo's graph
+    break): the graphs on either side replay and the read runs between them,
+    giving eager's values; inside a torch.tpu.graph capture the read raises
+    as any sync in a capture does, naming its line."""
+    compiled = torch.compile(_sine_logging_its_sum, backend="tpu", mode="reduce-overhead")
+    x = torch.randn(4, 6)
+    metrics.reset()
+    for k in range(3):
+        got, want = [], []
+        out = compiled(x.to("tpu") + k, got)
+        assert_same(out, _sine_logging_its_sum(x + k, want), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert metrics.M.extra["graph_replays"] == 6  # two graphs, three calls
+    static_x = x.to("tpu")
+    g = torch.tpu.TPUGraph()
+    with pytest.raises(RuntimeError, match="capturing") as excinfo:
+        with torch.tpu.graph(g):
+            compiled(static_x, [])
+    assert_at_line(excinfo, "# the sync", __file__)
+    assert not torch.tpu.is_current_stream_capturing()
 
 
 def test_compiled_index_out_of_range_raises_naming_the_call(mode):

@@ -32,32 +32,40 @@ from .tensor import DEVICE, TpuTensor
 _routing_warned = False
 
 
-_aot_backend = None
+# AOTAutograd backends by whether they replay (mode="reduce-overhead").
+_aot_backends = {}
 
 
-# torch.compile's modes: each compiled graph is already one computation run
-# with no per-op host work, which is what "reduce-overhead" (CUDA graphs'
-# replay) asks for, so all of them take the same path.
+# torch.compile's modes. Each compiled graph is one computation whatever the
+# mode; "reduce-overhead" (CUDA graphs' replay on CUDA) captures each graph's
+# call once and replays it (torchtpu.compiled), which updates what the graph
+# writes in place; the others run each graph as a kernel of the eager mode.
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+REPLAYING = ("reduce-overhead",)
 
 
-def tpu_backend(gm, example_inputs, mode=None):
+def tpu_backend(gm, example_inputs, mode=None, options=None):
     """Dynamo backend: a graph on tpu tensors becomes one XLA computation
     per AOTAutograd graph (forward, backward); any other graph runs as
-    eager code."""
+    eager code. options: Inductor's; "triton.cudagraphs" asks for replay,
+    as mode="reduce-overhead" does, and the others have no meaning here."""
     if mode not in MODES:
         raise RuntimeError(f"torchtpu: unknown torch.compile mode {mode!r} for the "
                            f"{DEVICE.type} backend; valid modes: "
                            f"{', '.join(m for m in MODES if m)}")
     if not graph_uses_device(gm, example_inputs):
         return gm.forward
-    global _aot_backend
-    if _aot_backend is None:
+    replay = bool((options or {}).get("triton.cudagraphs", mode in REPLAYING))
+    backend = _aot_backends.get(replay)
+    if backend is None:
+        import functools
+
         from torch._dynamo.backends.common import aot_autograd
         from .compiled import compile_graph
-        _aot_backend = aot_autograd(fw_compiler=compile_graph, bw_compiler=compile_graph,
-                                    keep_inference_input_mutations=True)
-    return _aot_backend(gm, example_inputs)
+        compiler = functools.partial(compile_graph, replay=replay)
+        backend = _aot_backends[replay] = aot_autograd(
+            fw_compiler=compiler, bw_compiler=compiler, keep_inference_input_mutations=True)
+    return backend(gm, example_inputs)
 
 
 def _dynamo_wraps_tpu_tensors(builder, fake_tensor):
@@ -137,7 +145,8 @@ def _routing_inductor_call(inductor_call):
                 f"torchtpu instead, as with "
                 f"torch.compile(..., backend=\"{DEVICE.type}\"), which says so explicitly",
                 stacklevel=_user_stacklevel())
-        return tpu_backend(model_, inputs_)
+        # mode="reduce-overhead" sets Inductor's "triton.cudagraphs".
+        return tpu_backend(model_, inputs_, options=getattr(self, "config", None))
 
     call.__wrapped__ = inductor_call
     return call

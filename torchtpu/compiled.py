@@ -51,10 +51,13 @@ def _fallback_reason(gm):
 class _Traced:
     """The graph traced for one kind of call: its kernel, the slot of each
     tensor input's storage, and how to rebuild the outputs."""
-    __slots__ = ("kernel", "slots", "outputs", "checks")
+    __slots__ = ("kernel", "slots", "outputs", "checks", "replay")
 
     def __init__(self, kernel, slots, outputs, checks):
         self.kernel = kernel
+        # mode="reduce-overhead": its capture (a _Replay), False where it
+        # cannot be replayed, None before the first call.
+        self.replay = None
         self.slots = slots
         # The index checks its ops make on device (bounds.unread_checks()
         # entries, each naming its line); the kernel's last input and last
@@ -204,11 +207,14 @@ class _Unservable(Exception):
 
 
 class CompiledGraph:
-    """A callable for AOTAutograd: gm as one XLA computation per kind of call."""
+    """A callable for AOTAutograd: gm as one XLA computation per kind of call;
+    with replay (mode="reduce-overhead"), each kind captured once into a
+    TPUGraph and replayed."""
 
-    def __init__(self, gm, name):
+    def __init__(self, gm, name, replay=False):
         self.gm = _as_values(gm)
         self.name = name
+        self.run = _replayed if replay else _run
         self.traced = {}
         self.eager_reason = _fallback_reason(gm)
         if self.eager_reason is not None:
@@ -248,7 +254,7 @@ class CompiledGraph:
                     jax.errors.TracerArrayConversionError) as e:
                 return self._eager(args, str(e).split("\n")[0][:80])
             self.traced[key] = traced
-        return _run(traced, storages)
+        return self.run(traced, storages)
 
 
 def _run(traced, storages):
@@ -263,16 +269,7 @@ def _run(traced, storages):
         outs = list(outs)
         new_flag = outs.pop()
         produced = [storages[slot] for slot in kernel.written_slots]
-    results, it = [], iter(outs)
-    for kind, value, layout in traced.outputs:
-        if kind != "t":
-            results.append(value)
-        elif layout is None:
-            o = next(it)
-            results.append(whole_tensor(Storage(o, kernel.device), tuple(o.shape), value))
-        else:
-            shape, strides = layout
-            results.append(TpuTensor(Storage(next(it), kernel.device), shape, value, strides))
+    results = _results(traced, [Storage(o, kernel.device) for o in outs])
     if traced.checks:
         produced += [r._storage for r in results if type(r) is TpuTensor]
         bounds.note_replayed(traced.checks, new_flag, storages, produced, kernel.device)
@@ -281,14 +278,107 @@ def _run(traced, storages):
     return results
 
 
+# ---- mode="reduce-overhead": replay ------------------------------------------
+# A kind of call is captured once (torch.tpu.graph's capture of the kernel's
+# call) and each call replays that capture over its own storages, as
+# torch.compile's CUDA graphs replay over each call's inputs. A replay writes
+# the storages the graph updates in place (their buffers donated: an
+# optimizer's parameters and state stay in their buffers), where a plain
+# call returns their new values in new buffers.
+
+_FLAG = -1  # the device's running bounds flag, in a capture's storages
+
+
+class _Replay:
+    """The capture of one kind of call, and where each storage it reads and
+    writes is found in a call: slot k of the call's storages (k >= 0), the
+    bounds flag (_FLAG), or the call's j-th tensor result (("r", j))."""
+    __slots__ = ("graph", "inputs", "outputs", "n_results")
+
+    def __init__(self, graph, inputs, outputs, n_results):
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+        self.n_results = n_results
+
+
+def _capture(traced, storages):
+    """The _Replay of traced over these storages, or False if its capture
+    reads or writes a storage that is none of the call's."""
+    from . import graphs
+    g = graphs.TPUGraph()
+    g.capture_begin()
+    try:
+        results = _run(traced, storages)
+    except BaseException as e:
+        g._abort(e)
+        raise
+    g.capture_end()
+    slot_of = {id(st): k for k, st in enumerate(storages)}
+    slot_of[id(bounds.flag_input(False, traced.kernel.device))] = _FLAG
+    tensors = [r for r in results if type(r) is TpuTensor]
+    result_of = {id(r._storage): ("r", j) for j, r in enumerate(tensors)}
+    captured = g.captured
+    inputs = [slot_of.get(id(st)) for st in captured.inputs]
+    outputs = [slot_of.get(id(st), result_of.get(id(st))) for st in captured.outputs]
+    made = {o for o in outputs if type(o) is tuple}
+    if None in inputs or None in outputs or len(made) != len(tensors):
+        return False
+    return _Replay(g, inputs, outputs, len(tensors))
+
+
+def _replayed(traced, storages):
+    """A call of traced as a replay of its capture (captured at the first
+    call); inside a user's capture, the call is recorded there instead."""
+    from . import graphs
+    rep = traced.replay
+    if rep is None:
+        if graphs.is_current_stream_capturing():
+            return _run(traced, storages)
+        rep = traced.replay = _capture(traced, storages)
+    if rep is False or graphs.is_current_stream_capturing():
+        return _run(traced, storages)
+    device = traced.kernel.device
+    flag = bounds.flag_input(False, device)
+    made = [Storage(None, device) for _ in range(rep.n_results)]
+
+    def storage(place):
+        if type(place) is tuple:
+            return made[place[1]]
+        return storages[place] if place >= 0 else flag
+    rep.graph.replay_over([storage(p) for p in rep.inputs], [storage(p) for p in rep.outputs])
+    ex = modes._current
+    if ex.name == "debug":
+        jax.block_until_ready(ex._last)  # (the replay's results)
+        bounds.check()  # debug mode raises at the call that went out of range
+    return _results(traced, made)
+
+
+def _results(traced, storages):
+    """The graph's outputs: its constants, and tensors over storages (one
+    per tensor output, in order, holding the arrays the kernel returned)."""
+    results, it = [], iter(storages)
+    for kind, value, layout in traced.outputs:
+        if kind != "t":
+            results.append(value)
+        elif layout is None:
+            st = next(it)
+            results.append(whole_tensor(st, tuple(st.array.shape), value))
+        else:
+            shape, strides = layout
+            results.append(TpuTensor(next(it), shape, value, strides))
+    return results
+
+
 _counter = [0]
 
 
-def compile_graph(gm, example_inputs):
+def compile_graph(gm, example_inputs, replay=False):
     """AOTAutograd's compiler for one aten graph (forward, backward or
-    inference): a boxed callable running it as one XLA computation."""
+    inference): a boxed callable running it as one XLA computation (with
+    replay, a replayed capture of it: mode="reduce-overhead")."""
     _counter[0] += 1
-    compiled = CompiledGraph(gm, f"compiled_graph_{_counter[0]}")
+    compiled = CompiledGraph(gm, f"compiled_graph_{_counter[0]}", replay)
 
     def run(args):
         values = list(args)

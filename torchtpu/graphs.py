@@ -76,6 +76,13 @@ class TPUGraph:
         ex.abandon(error)
 
     def replay(self):
+        self.replay_over(None, None)
+
+    def replay_over(self, inputs, outputs):
+        """replay() with other storages in the captured ones' places, in the
+        captured graph's input and output order (None: the captured ones):
+        how torch.compile's mode="reduce-overhead" replays a compiled graph
+        on each call's tensors (torchtpu.compiled)."""
         from . import modes
         if self._graph is None:
             raise RuntimeError("torchtpu: replay() of a TPUGraph that holds no capture")
@@ -85,10 +92,16 @@ class TPUGraph:
         if ex._last is self._issued:
             ex._last = None  # (a donated buffer's holders are counted)
         self._issued = None
-        results = self._graph.replay(getattr(ex, "flush", lambda reason: None))
+        results = self._graph.replay(getattr(ex, "flush", lambda reason: None), inputs, outputs)
         # What synchronize() and events wait for.
         ex._last = self._issued = results
         metrics.M.extra["graph_replays"] = metrics.M.extra.get("graph_replays", 0) + 1
+
+    @property
+    def captured(self):
+        """The capture (modes.capture.CapturedGraph): the storages it reads
+        and writes, in order; None before capture."""
+        return self._graph
 
     def reset(self):
         if _capturing is self:

@@ -174,16 +174,20 @@ class CapturedGraph:
         self._random = random_scalars
         self.n_ops = n_ops
 
-    def replay(self, flush):
+    def replay(self, flush, inputs=None, outputs=None):
         """Run the graph on the storages' current values; write the results
         into the same storages. flush(reason) issues the current executor's
         recorded ops (fused mode), called when an input is still pending.
+        inputs, outputs: other storages in the captured ones' places (a
+        compiled graph's replay reads and writes each call's own tensors).
         Returns the result arrays."""
         if self._run is None:
             return []
-        if any(type(s.array) is Pending for s in self.inputs):
+        inputs = self.inputs if inputs is None else inputs
+        outputs = self.outputs if outputs is None else outputs
+        if any(type(s.array) is Pending for s in inputs):
             flush("graph_replay")
-        arrays = [s.array for s in self.inputs]
+        arrays = [s.array for s in inputs]
         for a, kind in zip(arrays, self._kinds):
             if type(a) is Lost:
                 a.fail()
@@ -204,21 +208,21 @@ class CapturedGraph:
                 scalars[seed_at], scalars[offset_at] = rng.next_key()
         results = self._run(arrays, scalars)
         del arrays
-        for storage, value in zip(self.outputs, results):
+        for storage, value in zip(outputs, results):
             storage.array = value
         if self._checks:
-            self._note_checks()
+            self._note_checks(inputs, outputs)
         if errors.nan_checks_on() and value_checks.any_nonfinite(results):
             raise RuntimeError("torchtpu: a replayed graph produced NaN or Inf "
                                "(TORCHTPU_CHECK_NANS=1)")
         return results
 
-    def _note_checks(self):
+    def _note_checks(self, inputs, outputs):
         """The replay merged its indexing ops' checks into the device's
         running flag (one of the outputs): tell bounds, so that the next sync
         point reads it and an out-of-range index raises, naming the op and
         its line in the captured code."""
         flag = bounds.flag_input(False, self._device)
         # What depends on the checks: the results, but for the flag itself.
-        produced = [s for s in self.outputs if s is not flag]
-        bounds.note_replayed(self._checks, flag.array, self.inputs, produced, self._device)
+        produced = [s for s in outputs if s is not flag]
+        bounds.note_replayed(self._checks, flag.array, inputs, produced, self._device)
