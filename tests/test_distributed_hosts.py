@@ -25,7 +25,8 @@ LOCAL_RANK_WORKER = textwrap.dedent("""\
 
     def where(t):
         (d,) = device_array(t).devices()
-        return [str(t.device), d.id, d == jax.local_devices()[local]]
+        mine = jax.local_devices()  # all of this host's, or this process's own one
+        return [str(t.device), d.id, d == mine[local if len(mine) > 1 else 0]]
 
     bare = torch.full((3,), rank + 1.0, device="tpu")
     named = torch.full((3,), 10.0 * (rank + 1), device=f"tpu:{local}")
@@ -51,10 +52,12 @@ LOCAL_RANK_WORKER = textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("xla_flags", [None, ""], ids=["host devices set", "host devices raised"])
+@pytest.mark.parametrize("xla_flags", [None, "", "--xla_force_host_platform_device_count=1"],
+                         ids=["host devices set", "host devices raised", "one device each"])
 def test_local_rank_names_each_process_own_device(tmp_path, xla_flags):
     # XLA's host device count: set to 2 by conftest, or unset (torchtpu then
-    # gives each process LOCAL_WORLD_SIZE host devices).
+    # gives each process LOCAL_WORLD_SIZE host devices), or 1, as a TPU or
+    # GPU process given its own chip sees one device: it is tpu:LOCAL_RANK.
     env = {"LOCAL_WORLD_SIZE": "2"} if xla_flags is None else {"LOCAL_WORLD_SIZE": "2",
                                                                "XLA_FLAGS": xla_flags}
     reports = run_ranks(tmp_path, LOCAL_RANK_WORKER, 2, env=env)
@@ -70,6 +73,34 @@ def test_local_rank_names_each_process_own_device(tmp_path, xla_flags):
         for a, b in zip(sum(got, []), sum(want, [])):
             assert abs(a - b) <= 1e-6 + 1e-5 * abs(b), (got, want)
     assert len(ids) == 2  # each rank's own device, two devices in all
+
+
+def test_each_process_on_a_host_is_given_its_own_chip():
+    from torchtpu.distributed.bootstrap import gpu_device_ids, tpu_environment
+    # A TPU host of 4 chips, torchrun --nproc-per-node 4: rank 2's variables.
+    env = tpu_environment(2, 4, 4, 4, {})
+    assert env == {"TPU_VISIBLE_CHIPS": "2", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+                   "TPU_PROCESS_BOUNDS": "2,2,1",
+                   "TPU_PROCESS_ADDRESSES": "localhost:8476,localhost:8477,localhost:8478,"
+                                            "localhost:8479",
+                   "TPU_PROCESS_PORT": "8478", "CLOUD_TPU_TASK_ID": "2",
+                   "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    eight = tpu_environment(7, 8, 8, 8, {"TORCHTPU_TPU_PROCESS_PORT": "9000"})
+    assert (eight["TPU_PROCESS_BOUNDS"], eight["TPU_PROCESS_PORT"], eight["TPU_VISIBLE_CHIPS"]) \
+        == ("4,2,1", "9007", "7")
+    # Not a TPU host, or the user's own settings: nothing is set.
+    assert tpu_environment(1, 2, 2, 0, {}) == {}
+    assert tpu_environment(1, 4, 4, 4, {"TPU_VISIBLE_CHIPS": "0,1"}) == {}
+    # Layouts torchtpu does not make raise, rather than let the processes
+    # fight over the chips.
+    for args in [(0, 2, 2, 4), (0, 4, 8, 4)]:
+        with pytest.raises(RuntimeError, match="set TPU_VISIBLE_CHIPS"):
+            tpu_environment(*args, {})
+    # GPUs: jax.distributed's local_device_ids, unless visibility is chosen.
+    assert gpu_device_ids(1, 2, {}) == [1]
+    assert gpu_device_ids(1, 2, {"CUDA_VISIBLE_DEVICES": "0,1"}) == [1]
+    assert gpu_device_ids(1, 2, {"CUDA_VISIBLE_DEVICES": "5"}) is None  # the launcher's pick
+    assert gpu_device_ids(1, 2, {"JAX_LOCAL_DEVICE_IDS": "3"}) is None
 
 
 def test_local_rank_outside_the_local_world_raises(monkeypatch):

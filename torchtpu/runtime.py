@@ -34,8 +34,9 @@ def _choose_platform():
 
 PLATFORM = _choose_platform()
 # tpu:N is this process's N-th device of the platform (its local devices,
-# when jax.distributed spans several processes).
-DEVICES = jax.local_devices(backend=PLATFORM)
+# when jax.distributed spans several processes; a process of several on a
+# host that sees its own chip only has it as tpu:LOCAL_RANK too).
+DEVICES = bootstrap.device_slots(jax.local_devices(backend=PLATFORM))
 # Where a kernel's results go when it runs on tpu:N, N > 0 (on tpu:0 they
 # follow the inputs, and JAX's default device takes factories).
 SHARDINGS = [jax.sharding.SingleDeviceSharding(d) for d in DEVICES]

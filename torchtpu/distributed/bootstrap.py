@@ -23,11 +23,20 @@ The environment it reads:
   (coordinator.py); `0` serves it in rank 0, as JAX does.
 - LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun sets both): several processes
   share this host. As under CUDA, where each process of
-  `torchrun --nproc-per-node` sees every GPU and uses cuda:LOCAL_RANK, the
-  process's own device is tpu:LOCAL_RANK, and it is the current device from
-  the start. On the CPU platform each process has its own host devices:
-  unless XLA's host device count is set, it is raised to LOCAL_WORLD_SIZE so
-  that tpu:LOCAL_RANK exists.
+  `torchrun --nproc-per-node` uses cuda:LOCAL_RANK, the process's own
+  device is tpu:LOCAL_RANK, and it is the current device from the start.
+  Each process is given its own chip before the backend starts
+  (`tpu_environment`, `gpu_device_ids`): on a TPU host, the TPU runtime's
+  per-process variables (a TPU chip opens in one process only); on GPUs,
+  jax.distributed's local_device_ids (else each process would take memory
+  on every GPU). Variables the user set are kept. A process that then sees
+  one device has it under every index below LOCAL_WORLD_SIZE
+  (`device_slots`), so tpu:LOCAL_RANK names it. On the CPU platform each
+  process has its own host devices: unless XLA's host device count is set,
+  it is raised to LOCAL_WORLD_SIZE so that tpu:LOCAL_RANK exists.
+- TORCHTPU_TPU_PROCESS_PORT: the first of the LOCAL_WORLD_SIZE ports on
+  localhost the TPU runtime's processes meet on (default 8476, as
+  PyTorch/XLA's).
 """
 import multiprocessing
 import os
@@ -37,6 +46,13 @@ from . import coordinator
 SWITCH = "TORCHTPU_DISTRIBUTED"
 PORT = "TORCHTPU_COORDINATOR_PORT"
 HEARTBEAT = "TORCHTPU_HEARTBEAT_TIMEOUT"
+TPU_PORT = "TORCHTPU_TPU_PROCESS_PORT"
+# What the TPU runtime (libtpu) reads to give a process some chips of its host.
+TPU_TOPOLOGY = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS",
+                "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID")
+# The grid of P one-chip processes on a host of P chips, as JAX's own
+# multi-process tests lay them out.
+_PROCESS_BOUNDS = {1: "1,1,1", 4: "2,2,1", 8: "4,2,1"}
 _NEEDED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
@@ -82,6 +98,75 @@ def _host_devices_for(local_world_size):
         jax.config.update("jax_num_cpu_devices", local_world_size)
 
 
+def tpu_chips():
+    """The TPU chips on this host's PCI bus (0 off TPU hosts), read without
+    starting the TPU runtime."""
+    try:
+        from jax._src import hardware_utils
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    except (ImportError, AttributeError, OSError):
+        return 0
+
+
+def tpu_environment(local_rank, local_world_size, world_size, chips, environ):
+    """The TPU runtime's variables that give this process (local_rank of
+    local_world_size on a host of `chips` chips) chip local_rank alone: {}
+    off TPU hosts, and when the user set any of them. RuntimeError where
+    torchtpu cannot lay the processes out (several hosts, or not one
+    process per chip): the user sets them then."""
+    if chips == 0 or any(name in environ for name in TPU_TOPOLOGY):
+        return {}
+    if world_size != local_world_size or local_world_size != chips or \
+            chips not in _PROCESS_BOUNDS:
+        raise RuntimeError(
+            f"torchtpu: {local_world_size} processes on a host of {chips} TPU chips "
+            f"({world_size} in all): torchtpu gives each process a chip of its own only "
+            "for one process per chip on one host; set TPU_VISIBLE_CHIPS, "
+            "TPU_CHIPS_PER_PROCESS_BOUNDS, TPU_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES, "
+            "TPU_PROCESS_PORT and CLOUD_TPU_TASK_ID for each process")
+    base = int(environ.get(TPU_PORT) or 8476)
+    return {
+        "TPU_VISIBLE_CHIPS": str(local_rank),
+        "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
+        "TPU_PROCESS_BOUNDS": _PROCESS_BOUNDS[chips],
+        "TPU_PROCESS_ADDRESSES": ",".join(f"localhost:{base + i}"
+                                          for i in range(local_world_size)),
+        "TPU_PROCESS_PORT": str(base + local_rank),
+        "CLOUD_TPU_TASK_ID": str(local_rank),
+        # libtpu refuses a second process on the host without it.
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": environ.get("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+    }
+
+
+def gpu_device_ids(local_rank, local_world_size, environ):
+    """jax.distributed's local_device_ids for this process: [local_rank],
+    unless the user or the launcher chose the visible GPUs already
+    (JAX_LOCAL_DEVICE_IDS, JAX_CUDA_VISIBLE_DEVICES, or CUDA_VISIBLE_DEVICES
+    naming fewer GPUs than there are processes here). It applies to GPUs
+    only: JAX ignores it on TPU and CPU."""
+    if environ.get("JAX_LOCAL_DEVICE_IDS") or environ.get("JAX_CUDA_VISIBLE_DEVICES"):
+        return None
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and len([v for v in visible.split(",") if v.strip()]) < local_world_size:
+        return None
+    return [local_rank]
+
+
+def device_slots(devices):
+    """What tpu:0, tpu:1, ... name: JAX's local devices; in one of several
+    JAX processes on a host that sees one device (its own chip), that device
+    under every index below LOCAL_WORLD_SIZE, so that tpu:LOCAL_RANK (and
+    set_device(LOCAL_RANK)) names it, as cuda:LOCAL_RANK names a torchrun
+    process's GPU. Tensors on two of those indices are still on two devices
+    to PyTorch (CUDA's error)."""
+    import jax
+    local = _local()
+    devices = list(devices)
+    if local is None or len(devices) != 1 or not jax.distributed.is_initialized():
+        return devices
+    return devices * local[1]
+
+
 def own_device_index(device_count):
     """The index N of tpu:N this process uses by default: LOCAL_RANK when it
     is one of several JAX processes sharing a host, else 0. A LOCAL_RANK
@@ -110,11 +195,15 @@ def initialize_from_env():
     # Collectives between processes on the CPU platform go through gloo.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     local = _local()
+    device_ids = None
     if local is not None:
         _host_devices_for(local[1])
+        os.environ.update(tpu_environment(*local, int(os.environ["WORLD_SIZE"]), tpu_chips(),
+                                          os.environ))
+        device_ids = gpu_device_ids(*local, os.environ)
     with coordinator.serving(_service_apart()):
         jax.distributed.initialize(coordinator_address(), int(os.environ["WORLD_SIZE"]),
-                                   int(os.environ["RANK"]),
+                                   int(os.environ["RANK"]), local_device_ids=device_ids,
                                    heartbeat_timeout_seconds=int(os.environ.get(HEARTBEAT) or 100))
     return True
 
