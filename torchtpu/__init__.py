@@ -46,3 +46,5 @@ from .ipython import load_ipython_extension  # noqa: E402,F401
 __all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "sync",
            "TpuTensor", "metrics", "cache", "custom_jax_kernel"]
 __version__ = "0.1.0"
+
+cache.start_prefetch()  # loads, on a thread, what the last run's start-up loaded

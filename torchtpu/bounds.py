@@ -24,6 +24,7 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import errors, runtime  # noqa: F401  (runtime first: int64 flags need x64)
 from .tensor import Lost, Pending, Storage
@@ -85,7 +86,6 @@ def device_flag(bound, args, kwargs, before):
     return jnp.stack(head + tail)
 
 
-_BLANK = jnp.zeros((_FLAG_SIZE,), jnp.int64)
 
 
 class _Flags:
@@ -96,8 +96,9 @@ class _Flags:
     __slots__ = ("running", "idle", "blank", "positions")
 
     def __init__(self, index):
-        # A kernel and its inputs share a device (a flag too).
-        self.blank = _BLANK if index == 0 else jax.device_put(_BLANK, runtime.DEVICES[index])
+        # A kernel and its inputs share a device (a flag too). A host array
+        # put there, not jnp.zeros: that would compile a kernel at start-up.
+        self.blank = jax.device_put(np.zeros((_FLAG_SIZE,), np.int64), runtime.DEVICES[index])
         self.running = Storage(self.blank, index)
         self.idle = Storage(self.blank, index)
         self.positions = []

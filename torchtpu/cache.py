@@ -28,6 +28,7 @@ if __name__ == "__main__":  # python -m torchtpu.cache: use the package's module
     from torchtpu.cache import _main
     raise SystemExit(_main())
 
+import atexit
 import collections
 import hashlib
 import json
@@ -35,6 +36,7 @@ import os
 import pathlib
 import pickle
 import sys
+import threading
 import time
 import warnings
 
@@ -44,7 +46,7 @@ from jax import monitoring
 from . import metrics
 from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
     CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, PROGRAM_PREFIX, STATS, TMP_PREFIX,
-    DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
+    VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
     disk_info, open_dir, open_disk, readonly, trusted_uids, untrusted_reason)
 
 if sys.argv[:1] == ["-m"]:
@@ -222,7 +224,7 @@ def _disk():
     return store_ if isinstance(store_, DiskCache) else None
 
 
-def _encode_tree(template):
+def encode_tree(template):
     """A kernel's out_tree (see dispatch.kernels._flatten) as JSON."""
     if template is ...:
         return "x"
@@ -231,16 +233,16 @@ def _encode_tree(template):
     kind, items = template
     if kind is not tuple and kind is not list:
         raise TypeError(f"result structure {kind.__name__} is not stored")
-    return [kind.__name__, [_encode_tree(t) for t in items]]
+    return [kind.__name__, [encode_tree(t) for t in items]]
 
 
-def _decode_tree(data):
+def decode_tree(data):
     if data == "x":
         return ...
     if data is None:
         return None
     kind, items = data
-    return ({"tuple": tuple, "list": list}[kind], [_decode_tree(t) for t in items])
+    return ({"tuple": tuple, "list": list}[kind], [decode_tree(t) for t in items])
 
 
 def _trace_header(out_tree, avals):
@@ -250,7 +252,7 @@ def _trace_header(out_tree, avals):
         if any(jax.numpy.dtype(d) != a.dtype for part, p in zip(avals, parts)
                for a, (_, d) in zip(part, p)):
             return None
-        return {"out_tree": _encode_tree(out_tree), "avals": parts}
+        return {"out_tree": encode_tree(out_tree), "avals": parts}
     except (TypeError, ValueError, AttributeError):
         return None
 
@@ -340,24 +342,43 @@ def _results_text(compiled):
     return " ".join(f"{a.dtype}{list(a.shape)}" for a in jax.tree_util.tree_leaves(compiled.out_info))
 
 
-def _loaded(disk, key, header, rest, started, device):
-    """The executable of a record read at started, counted as a disk hit; or
-    None (counted as damaged) when it does not load or its results are not
-    the ones its header names."""
-    try:
-        compiled = _load_executable(header, rest, device)
-        if _results_text(compiled) != header.get("results"):
-            raise ValueError("its results are not the ones its record names")
-    except Exception as e:  # damaged or stale: compile again and replace it
-        disk._corrupt(key, f"{type(e).__name__}: {str(e)[:200]}")
-        return None
-    took = time.monotonic() - started
+def _load_checked(header, rest, device):
+    """A record's executable; raises when it does not load or its results
+    are not the ones its header names."""
+    compiled = _load_executable(header, rest, device)
+    if _results_text(compiled) != header.get("results"):
+        raise ValueError("its results are not the ones its record names")
+    return compiled
+
+
+def _count_hit(took, saved):
     metrics.M.disk_cache_hits += 1
     STATS.disk_load_seconds += took
-    saved = getattr(_tl, "hit_compile_seconds", None)
     if saved is not None:
         STATS.compile_seconds_saved += max(saved - took, 0.0)
-    return compiled
+
+
+def _stored_executable(disk, key, device):
+    """(header, executable) of key's record, counted as a disk hit: loaded
+    ahead by the prefetch thread, or now; (header or None, None) when there
+    is none or it does not load (counted as damaged)."""
+    ahead = _take_prefetched(key)
+    if ahead is not None:
+        header, compiled, took, saved = ahead
+        STATS.prefetched += 1
+        _count_hit(took, saved)
+        return header, compiled
+    started = time.monotonic()
+    header, rest = _read(disk, key)
+    if header is None or "trees" not in header:
+        return header, None
+    try:
+        compiled = _load_checked(header, rest, device)
+    except Exception as e:  # damaged or stale: compile again and replace it
+        disk._corrupt(key, f"{type(e).__name__}: {str(e)[:200]}")
+        return header, None
+    _count_hit(time.monotonic() - started, getattr(_tl, "hit_compile_seconds", None))
+    return header, compiled
 
 
 class _FirstCall:
@@ -385,13 +406,11 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0):
     key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
 
     def resolve(call_args):
-        started = time.monotonic()
-        header, rest = _read(disk, key)
-        if header is not None and "trees" in header:
-            compiled = _loaded(disk, key, header, rest, started, device)
-            if compiled is not None:
-                STATS.programs_loaded += 1
-                return compiled
+        _note_startup(key, device)
+        _, compiled = _stored_executable(disk, key, device)
+        if compiled is not None:
+            STATS.programs_loaded += 1
+            return compiled
         compiled = _compile(fn, name, key, call_args, donate_argnums, device)
         disk.put(key, _encode({}, compiled))
         return compiled
@@ -415,18 +434,16 @@ def jit_kernel(owner, fn, name, device=0):
 
 def _kernel_executable(disk, owner, fn, name, device, args):
     key = _record_key(KERNEL_PREFIX, owner.stable_key, args, device)
-    started = time.monotonic()
-    header, rest = _read(disk, key)
-    if header is not None and "trees" in header:
-        compiled = _loaded(disk, key, header, rest, started, device)
-        if compiled is not None:
-            try:
-                owner.out_tree = _decode_tree(header["out_tree"])
-            except (KeyError, TypeError, ValueError) as e:
-                disk._corrupt(key, f"{type(e).__name__}: {e}")
-            else:
-                STATS.kernels_loaded += 1
-                return compiled
+    _note_startup(key, device)
+    header, compiled = _stored_executable(disk, key, device)
+    if compiled is not None:
+        try:
+            owner.out_tree = decode_tree(header["out_tree"])
+        except (KeyError, TypeError, ValueError) as e:
+            disk._corrupt(key, f"{type(e).__name__}: {e}")
+        else:
+            STATS.kernels_loaded += 1
+            return compiled
     compiled = _compile(fn, name, key, args, (), device)  # tracing fn sets owner.out_tree
     header = _trace_header(owner.out_tree, compiled.out_info)
     if header is not None:
@@ -445,7 +462,7 @@ def eval_shape_kernel(owner, args):
     if header is not None:
         try:
             avals = _decode_avals(header)
-            owner.out_tree = _decode_tree(header["out_tree"])
+            owner.out_tree = decode_tree(header["out_tree"])
         except (KeyError, TypeError, ValueError) as e:
             disk._corrupt(key, f"{type(e).__name__}: {e}")
         else:
@@ -456,6 +473,130 @@ def eval_shape_kernel(owner, args):
     if header is not None:
         disk.put(key, _encode(header))
     return avals
+
+
+def stored_value(key_text, compute, encode, decode):
+    """compute(), or the value an earlier process stored under key_text (a
+    full description of what compute depends on, the same in every process):
+    a small record, keyed with torchtpu's code and the versions it runs on.
+    encode(value) gives JSON data or None (not stored); decode(data) raises
+    TypeError/ValueError/KeyError on anything it cannot have written."""
+    disk = _disk()
+    if disk is None:
+        return compute()
+    key = VALUE_PREFIX + _sha256("\n".join([_source_digest(), key_text]).encode())
+    header, _ = _read(disk, key)
+    if header is not None:
+        try:
+            value = decode(header["value"])
+        except (KeyError, TypeError, ValueError) as e:
+            disk._corrupt(key, f"{type(e).__name__}: {e}")
+        else:
+            STATS.values_loaded += 1
+            return value
+    value = compute()
+    data = encode(value)
+    if data is not None:
+        disk.put(key, _encode({"value": data}))
+    return value
+
+
+# ---- prefetch: what a start-up loads, loaded on a thread ----------------------
+# A run lists the records of the executables it loaded or compiled first; the
+# next run of the same code on the same platform loads those on a thread while
+# the program builds its model and records its first step (XLA deserializes
+# without holding the GIL). An executable loaded ahead is used only when the
+# run asks for its very key, after the same checks; the list only decides
+# what is loaded early. TORCHTPU_CACHE_PREFETCH=0 turns it off.
+
+PREFETCH = os.environ.get("TORCHTPU_CACHE_PREFETCH", "1") != "0"
+_STARTUP_LIMIT = 256
+_startup_used = []  # [key, device] of what this run loaded or compiled first
+_prefetch = {"thread": None, "listed": None, "done": False, "loaded": {}}
+_prefetch_ready = threading.Condition()
+
+
+def _startup_key():
+    return VALUE_PREFIX + _sha256("\n".join([_source_digest(), "start-up",
+                                              _context((), 0)]).encode())
+
+
+def start_prefetch():
+    """Start loading what the last run's start-up loaded (once torchtpu is
+    imported, before the program builds anything)."""
+    disk = _disk()
+    if not PREFETCH or disk is None or _prefetch["thread"] is not None:
+        return
+    t = _prefetch["thread"] = threading.Thread(target=_prefetch_run, args=(disk,), daemon=True,
+                                               name="torchtpu-cache-prefetch")
+    t.start()
+    atexit.register(_write_startup, disk)
+
+
+def _prefetch_run(disk):
+    from . import runtime
+    _tl.quiet = True  # what this thread finds damaged, the run finds and reports itself
+    listed = []
+    try:
+        header, _ = _read(disk, _startup_key())
+        entries = header.get("startup") if header is not None else None
+        if isinstance(entries, list):
+            listed = [(k, d) for k, d in (e for e in entries if isinstance(e, list) and len(e) == 2)
+                      if isinstance(k, str) and type(d) is int and 0 <= d < len(runtime.DEVICES)]
+    finally:
+        with _prefetch_ready:
+            _prefetch["listed"] = {k for k, _ in listed}
+            _prefetch_ready.notify_all()
+    try:
+        for key, device in listed:
+            entry = None
+            started = time.monotonic()
+            header, rest = _read(disk, key)
+            if header is not None and "trees" in header:
+                try:
+                    compiled = _load_checked(header, rest, device)
+                except Exception:  # the run reads it again, and reports it
+                    pass
+                else:
+                    entry = (header, compiled, time.monotonic() - started,
+                             getattr(_tl, "hit_compile_seconds", None))
+            with _prefetch_ready:
+                _prefetch["loaded"][key] = entry
+                _prefetch_ready.notify_all()
+    finally:
+        with _prefetch_ready:
+            _prefetch["done"] = True
+            _prefetch_ready.notify_all()
+
+
+def _take_prefetched(key):
+    """(header, executable, load seconds, compile seconds saved) loaded ahead
+    for key, waiting while the thread is on it; None when it was not listed
+    or did not load."""
+    t = _prefetch["thread"]
+    if t is None:
+        return None
+    with _prefetch_ready:
+        while True:
+            listed = _prefetch["listed"]
+            if listed is not None and key not in listed:
+                return None
+            if key in _prefetch["loaded"]:
+                return _prefetch["loaded"].pop(key)
+            if _prefetch["done"] or not t.is_alive():  # (a forked child has no thread)
+                return None
+            _prefetch_ready.wait(0.05)
+
+
+def _note_startup(key, device):
+    if len(_startup_used) < _STARTUP_LIMIT:
+        _startup_used.append([key, device])
+
+
+def _write_startup(disk):
+    listed = _prefetch["listed"]
+    if _startup_used and (listed is None or {k for k, _ in _startup_used} != listed):
+        disk.put(_startup_key(), _encode({"startup": _startup_used}))
 
 
 def stats():
@@ -476,8 +617,11 @@ def stats():
         "disk_programs": info.get("programs", 0),
         "programs_loaded": STATS.programs_loaded,
         "disk_kernels": info.get("kernels", 0),
+        "disk_values": info.get("values", 0),
         "kernels_loaded": STATS.kernels_loaded,
         "traces_loaded": STATS.traces_loaded,
+        "values_loaded": STATS.values_loaded,  # meta outcomes (dispatch.kernels.meta_outcome)
+        "prefetched": STATS.prefetched,
         "disk_bytes": info.get("bytes", 0),
         "compilations": m.compilations,
         "compile_seconds": round(m.compile_seconds, 6),
@@ -533,6 +677,7 @@ def _main(argv=None):
     print(f"entries             {info['entries']}")
     print(f"stored programs     {info['programs']}")
     print(f"kernel records      {info['kernels']}")
+    print(f"stored values       {info['values']}")
     print(f"bytes               {info['bytes']} ({_human(info['bytes'])})")
     print(f"unverified entries  {info['unverified_entries']}")
     print(f"temporary files     {info['temp_files']}")

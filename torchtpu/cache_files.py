@@ -46,6 +46,7 @@ LOCK_NAME = ".torchtpu.lock"
 _OWN_SUFFIXES = (ENTRY_SUFFIX, CHECK_SUFFIX, "-atime")
 PROGRAM_PREFIX = "program-"  # a fused graph's stored executable
 KERNEL_PREFIX = "kernel-"    # a per-op kernel's record (torchtpu.cache)
+VALUE_PREFIX = "value-"      # a small stored value: a meta outcome, a start-up's list
 
 
 # ---- location ----------------------------------------------------------------
@@ -256,9 +257,9 @@ def _probe_writable(dir_fd):
 
 def disk_info(path):
     """Entries (JAX's executables), stored programs (fused graphs' executables),
-    kernel records, bytes and leftover temporary files in a cache directory."""
+    kernel records, stored values, bytes and leftover temporary files in a cache directory."""
     info = {"dir": path, "exists": bool(path) and os.path.isdir(path), "entries": 0,
-            "programs": 0, "kernels": 0, "bytes": 0, "unverified_entries": 0, "temp_files": 0}
+            "programs": 0, "kernels": 0, "values": 0, "bytes": 0, "unverified_entries": 0, "temp_files": 0}
     if not info["exists"]:
         return info
     names = set()
@@ -268,7 +269,8 @@ def disk_info(path):
                 info["temp_files"] += 1
             elif e.name.endswith(ENTRY_SUFFIX):
                 info["programs" if e.name.startswith(PROGRAM_PREFIX) else
-                     "kernels" if e.name.startswith(KERNEL_PREFIX) else "entries"] += 1
+                     "kernels" if e.name.startswith(KERNEL_PREFIX) else
+                     "values" if e.name.startswith(VALUE_PREFIX) else "entries"] += 1
                 info["bytes"] += e.stat().st_size
             elif e.name.endswith(CHECK_SUFFIX):
                 info["bytes"] += e.stat().st_size
@@ -335,6 +337,8 @@ class _Stats:
         self.programs_loaded = 0
         self.kernels_loaded = 0
         self.traces_loaded = 0
+        self.values_loaded = 0
+        self.prefetched = 0
 
     def snapshot(self):
         return {"memory_cache_misses": self.memory_misses,
@@ -344,7 +348,9 @@ class _Stats:
                 "disk_load_seconds": round(self.disk_load_seconds, 6),
                 "programs_loaded": self.programs_loaded,
                 "kernels_loaded": self.kernels_loaded,
-                "traces_loaded": self.traces_loaded}
+                "traces_loaded": self.traces_loaded,
+                "values_loaded": self.values_loaded,
+                "prefetched": self.prefetched}
 
 
 STATS = _Stats()
@@ -383,6 +389,7 @@ class DiskCache(_CacheInterface):
         self._path = pathlib.Path(path)  # JAX logs it
         self.read_only = read_only
         self._write_failed = False
+        self._swept = read_only  # stale temporaries are swept before the first write
         self._trusted = trusted_uids()
 
     def get(self, key):
@@ -398,6 +405,8 @@ class DiskCache(_CacheInterface):
         except (FileNotFoundError, NotADirectoryError):
             return None
         except Untrusted as e:
+            if getattr(_tl, "quiet", False):  # the prefetch thread: the run reads it again
+                return None
             STATS.disk_untrusted += 1
             _warn_once("untrusted", f"torchtpu: not loading compilation cache entry {e}; "
                        "compiling instead" + ("" if self.read_only else " and replacing it")
@@ -408,6 +417,8 @@ class DiskCache(_CacheInterface):
             self._corrupt(key, f"{type(e).__name__}: {e}")
             return None
         except OSError as e:
+            if getattr(_tl, "quiet", False):
+                return None
             _warn_once("read", f"torchtpu: cannot read the compilation cache in {self.dir} "
                        f"({type(e).__name__}: {e}); compiling instead")
             return None
@@ -419,6 +430,8 @@ class DiskCache(_CacheInterface):
         return value
 
     def _corrupt(self, key, why):
+        if getattr(_tl, "quiet", False):  # the prefetch thread: the run reads it again
+            return
         STATS.disk_corrupt += 1
         _warn_once("corrupt", f"torchtpu: compilation cache entry {key} in {self.dir} is "
                    f"unreadable ({why}); compiling again and replacing it "
@@ -431,6 +444,11 @@ class DiskCache(_CacheInterface):
         compile_seconds = time.monotonic() - miss_at if miss_at is not None else None
         check = json.dumps({"sha256": _sha256(value), "size": len(value),
                             "compile_seconds": compile_seconds}).encode()
+        if not self._swept:
+            # Here, not at start-up: a warm start writes nothing, and a large
+            # directory's scan would cost it tens of milliseconds.
+            self._swept = True
+            _remove_stale_temps(self.dir_fd)
         tmps = []
         try:
             tmps.append(_write_tmp(self.dir_fd, value))
@@ -462,6 +480,4 @@ def open_disk(path, read_only):
     if dir_fd is None:
         warnings.warn(f"torchtpu: {why}", stacklevel=3)
         return None
-    if not read_only:
-        _remove_stale_temps(dir_fd)
     return DiskCache(path, dir_fd, read_only)

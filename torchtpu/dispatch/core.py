@@ -24,7 +24,8 @@ from ..ops import random as rng
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
 from .host import download, host_values, to_tpu
 from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
-                      _physical_order, _run_meta, _spec, _unflatten, first_device, kernel_device)
+                      _physical_order, _run_meta, _spec, _unflatten, first_device, kernel_device,
+                      meta_outcome)
 from .plans import _INDICES, SPECIAL, Plan
 
 aten = torch.ops.aten
@@ -196,10 +197,11 @@ def _run_lowered(plan, args, kwargs):
                 # An out= tensor was resized: its key part changed.
                 return _run_lowered(plan, args, kwargs)
             # The functional variant's outputs decide the dtypes to cast to.
-            out_meta = _run_meta(plan.functional, *_functional_args(plan, args, kwargs))
+            out_meta = meta_outcome(plan, pos_specs, kw_specs, lambda: _run_meta(
+                plan.functional, *_functional_args(plan, args, kwargs)))
         else:
-            out_meta = _run_meta(plan.func, args, kwargs,
-                                 getattr(plan.lowering, "meta_contiguous", False))
+            out_meta = meta_outcome(plan, pos_specs, kw_specs, lambda: _run_meta(
+                plan.func, args, kwargs, getattr(plan.lowering, "meta_contiguous", False)))
         fix = getattr(plan.lowering, "result_dtypes", None)
         if fix is not None and out_meta is not None:
             # Where CPU's kernel and PyTorch's meta kernel disagree on dtypes.

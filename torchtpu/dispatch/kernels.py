@@ -344,6 +344,54 @@ def _meta(value, contiguous=False):
 _META = torch.device("meta")
 
 
+# Ops whose meta kernels are torch's or torchtpu's code (so the versions
+# in a record's key name them): their outcomes may be stored on disk.
+_STORED_META_NAMESPACES = frozenset({"aten", "prims", "torchtpu"})
+
+
+def meta_outcome(plan, pos_specs, kw_specs, run):
+    """run() (_run_meta for this call), or the outcome an earlier process
+    stored for a call of the same specs: a meta kernel is a function of what
+    the specs describe, as the in-memory kernel cache already assumes, and a
+    call that raised stored nothing (so its error is raised again)."""
+    if plan.func.namespace not in _STORED_META_NAMESPACES \
+            or getattr(plan.lowering, "process_local", False):
+        return run()
+    text = repr(("meta", plan.name, plan.kind, pos_specs, kw_specs))
+    if " at 0x" in text:  # not describable across processes
+        return run()
+    return cache.stored_value(text, run, _encode_meta, _decode_meta)
+
+
+def _encode_meta(out_meta):
+    """A _run_meta outcome as JSON data, or None when it does not round-trip."""
+    if out_meta is None:
+        return {"none": True}
+    leaves, template = out_meta
+    parts = []
+    for m in leaves:
+        if m.layout != torch.strided or m.storage_offset() or m.is_conj() or m.is_neg():
+            return None
+        parts.append([list(m.shape), list(m.stride()), str(m.dtype).removeprefix("torch.")])
+    try:
+        return {"leaves": parts, "tree": cache.encode_tree(template)}
+    except TypeError:
+        return None
+
+
+def _decode_meta(data):
+    if data.get("none"):
+        return None
+    leaves = []
+    for shape, stride, name in data["leaves"]:
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name} is not a dtype")
+        leaves.append(torch.empty_strided([int(n) for n in shape], [int(n) for n in stride],
+                                          dtype=dtype, device="meta"))
+    return leaves, cache.decode_tree(data["tree"])
+
+
 def _run_meta(func, args, kwargs, contiguous=False):
     """PyTorch's own shape/dtype inference and error checks for this call, or
     None when the op has no meta kernel. contiguous: give it contiguous
