@@ -12,8 +12,8 @@ copies otherwise). On XLA, all_reduce, all_gather_into_tensor and
 reduce_scatter_tensor return the collective's result as it comes, with no
 copy into a prepared tensor. A collective is issued when its op returns, so
 `wait_tensor` gives its input back: reading the result waits for it.
-batch_p2p_ops has no handler: it runs PyTorch's kernel, which calls the
-group's send and recv.
+batch_p2p_ops runs its sends and receives in an order every rank derives
+alike (p2p.py).
 """
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
 from torch.distributed import distributed_c10d as c10d
 
 from ..dispatch.plans import SPECIAL
+from . import p2p
 from .process_group import TpuProcessGroup
 
 functional = torch.ops._c10d_functional
@@ -168,13 +169,19 @@ def broadcast(input, src, group_name):
 
 
 def isend(tensor, dst, tag, group_name):
-    _group(group_name).send([tensor], dst, tag).wait()
+    group = _group(group_name)  # dst: a global rank
+    group.send([tensor], dist.get_group_rank(group, dst), tag).wait()
     return tensor.new_empty((0,))  # as PyTorch's kernel returns
 
 
 def irecv(tensor, src, tag, group_name):
-    _group(group_name).recv([tensor], src, tag).wait()
+    group = _group(group_name)
+    group.recv([tensor], dist.get_group_rank(group, src), tag).wait()
     return tensor
+
+
+def batch_p2p_ops(op_list, peer_list, tag_list, tensors, group_name):
+    return p2p.batch_p2p_ops(op_list, peer_list, tag_list, tensors, _group(group_name))
 
 
 def wait_tensor(tensor):
@@ -199,10 +206,13 @@ HANDLERS = {
     functional.broadcast_.default: broadcast_,
     functional.isend.default: isend,
     functional.irecv.default: irecv,
+    functional.batch_p2p_ops.default: batch_p2p_ops,
     functional.wait_tensor.default: wait_tensor,
 }
 
 
 def register():
-    """The dispatcher hands these ops on tpu tensors to the handlers above."""
+    """The dispatcher hands these ops on tpu tensors to the handlers above;
+    torch.distributed.batch_isend_irecv takes p2p.py's order on tpu groups."""
     SPECIAL.update(HANDLERS)
+    p2p.install()
