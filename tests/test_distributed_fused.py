@@ -191,3 +191,17 @@ def test_fused_ddp_step_is_one_graph_with_its_collectives(tmp_path):
             # that graph runs op by op on both (its collective still inside).
             assert c["op by op"] == (name == "all_to_all_single uneven"), (name, c)
         assert "the ranks called it with different arguments" in r["mismatch"], r["mismatch"]
+
+
+def test_a_graph_flushed_on_some_ranks_only_says_how_to_avoid_it():
+    import pytest
+    from torchtpu.distributed import agreement
+    # Rank 0 read a value alone (flushing its graph), rank 1 went on to its
+    # next collective: the error says what happened and what to do.
+    with pytest.raises(RuntimeError, match=r"rank 0: fused graph 1f; rank 1: broadcast 0 .*"
+                                           r"Call torchtpu.sync\(\) on every rank"):
+        agreement._check("broadcast", ["fused graph 1f", "broadcast 0 (5,):torch.int32"], [0, 1])
+    # Two graphs that differ: no such advice.
+    with pytest.raises(RuntimeError) as raised:
+        agreement._check("a fused graph", ["fused graph 1f", "fused graph 2e"], [0, 1])
+    assert "torchtpu.sync" not in str(raised.value)

@@ -15,6 +15,11 @@ import torch
 from torch.distributed import DistBackendError
 
 _BYTES = 512  # one message: "device id;extra;description", padded
+FUSED_GRAPH = "fused graph"  # how a fused graph's collectives' digest begins
+_FUSED_HINT = (
+    " In fused mode every rank must flush a graph holding collectives at the same "
+    "point: a value read on some ranks only (`if rank == 0: print(loss.item())`) "
+    "flushes it there alone. Call torchtpu.sync() on every rank before such a read.")
 
 
 def _encode(device_id, extra, description):
@@ -34,7 +39,10 @@ def _decode(buf):
 def _check(name, descriptions, ranks):
     if len(set(descriptions)) > 1:
         said = "; ".join(f"rank {r}: {d}" for r, d in zip(ranks, descriptions))
-        raise RuntimeError(f"{name}: the ranks called it with different arguments ({said})")
+        hint = _FUSED_HINT if any(d.startswith(FUSED_GRAPH) for d in descriptions) and \
+            not all(d.startswith(FUSED_GRAPH) for d in descriptions) else ""
+        raise RuntimeError(f"{name}: the ranks called it with different arguments ({said})."
+                           + hint)
 
 
 def _swap(name, *works):

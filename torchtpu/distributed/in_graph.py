@@ -9,12 +9,14 @@ is the whole recorded graph, each rank running it on its own values, with
 the collectives meeting inside. So XLA sees the collectives beside the
 compute, and a training step stays one graph.
 
-Only the collectives where every rank gives and takes alike are recorded:
-all_reduce, all_gather and reduce_scatter (what DDP and FSDP2 call in a
-step). Rooted ones (broadcast, reduce, gather, scatter), all_to_all and
-send/recv run at once, their inputs computed first: PyTorch's own code
-reads their results on some ranks only (DDP's start-up broadcast), and
-every rank must flush the same graphs. Before each run of a graph holding
+Every rank must record the same graph, so the collectives recorded are
+those where every rank gives and takes alike: all_reduce, all_gather,
+reduce_scatter, all_to_all, and broadcast and reduce, where every rank
+writes the result (broadcast's root gets its own bits back, reduce's
+others their own values; process_group.py). gather, scatter and send/recv
+run at once, their inputs computed first, and what they write is issued
+(`settle`): only some ranks hold their lists or take part, so the ranks'
+graphs around them would differ. Before each run of a graph holding
 collectives the ranks swap its digest through gloo (agreement.py) and raise
 on every rank when their collectives differ, rather than hang; graphs
 with the same collectives amid different local ops (each rank's own
@@ -158,7 +160,8 @@ class _MeshGraph:
     def __call__(self, donated, kept, scalars):
         try:
             found = agreement.exchange(self.gloo, "a fused graph holding collectives", -1,
-                                       self.collectives, self.whole)
+                                       f"{agreement.FUSED_GRAPH} {self.collectives}",
+                                       self.whole)
         except RuntimeError as e:
             _refused[0] = e
             raise

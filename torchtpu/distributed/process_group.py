@@ -10,8 +10,8 @@ gloo on the host (host.py).
 
 Each call returns a finished Work: the collective has been issued (in
 strict mode asynchronously: a read of the result waits for it; in fused
-mode all_reduce, all_gather and reduce_scatter are recorded into the
-pending graph, in_graph.py).
+mode all but gather, scatter and send/recv are recorded into the pending
+graph, in_graph.py).
 """
 import math
 
