@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import bounds, errors, modes
+from . import bounds, cache, errors, modes
 from .dispatch.kernels import Kernel, _physical_order
 from .modes.strict import StrictExecutor
 from .tensor import Storage, TpuTensor, read_view, view_tensor, whole_tensor
@@ -51,10 +51,15 @@ def _fallback_reason(gm):
 class _Traced:
     """The graph traced for one kind of call: its kernel, the slot of each
     tensor input's storage, and how to rebuild the outputs."""
-    __slots__ = ("kernel", "slots", "outputs", "checks", "replay")
+    __slots__ = ("kernel", "slots", "outputs", "checks", "replay", "donated", "_donating")
 
-    def __init__(self, kernel, slots, outputs, checks):
+    def __init__(self, kernel, slots, outputs, checks, donated=()):
         self.kernel = kernel
+        # The slots of the storages it writes with arrays of their own shape
+        # and dtype (an optimizer's parameters and state): strict and debug
+        # mode donate them, so that XLA writes the new values over the old.
+        self.donated = donated
+        self._donating = None
         # mode="reduce-overhead": its capture (a _Replay), False where it
         # cannot be replayed, None before the first call.
         self.replay = None
@@ -66,6 +71,16 @@ class _Traced:
         # per output: ("t", dtype, None or its (shape, strides) over a
         # permuted storage array) or ("c", value, None)
         self.outputs = outputs
+
+    def donating(self):
+        """The kernel with the donated storages' arrays donated."""
+        if self._donating is None:
+            k = self.kernel
+            donating = Kernel(k.name, k.fn, None, k.written_slots, device=k.device)
+            donating.jitted = cache.jit(k.fn, None, self.donated, k.device)
+            donating.avals = k.avals
+            self._donating = donating
+        return self._donating
 
 
 def _call_key(args):
@@ -166,7 +181,9 @@ def _trace(gm, args, slots, n_storages, device, name):
     avals = jax.eval_shape(fn, *specs)  # traces once: outputs and written slots known
     kernel = Kernel(name, fn, None, tuple(written), device=device)
     kernel.avals = avals
-    return _Traced(kernel, slots, list(outputs), tuple(checks))
+    donated = tuple(slot for slot, new in zip(written, avals[1])
+                    if (new.shape, new.dtype) == (specs[slot].shape, specs[slot].dtype))
+    return _Traced(kernel, slots, list(outputs), tuple(checks), donated)
 
 
 class _TracingExecutor(StrictExecutor):
@@ -257,12 +274,26 @@ class CompiledGraph:
         return self.run(traced, storages)
 
 
+# The executors that run a compiled graph's kernel at once (fused mode and
+# capture record it: their graph's flush or replay donates what it may).
+_DONATING = ("strict", "debug")
+
+
 def _run(traced, storages):
     kernel = traced.kernel
     ex = modes._current
     flag = bounds.flag_input(False, kernel.device)
-    outs, written = ex.run(kernel, [st.array for st in storages] + [flag.array],
-                           storages + [flag])
+    arrays = [st.array for st in storages]
+    if traced.donated and ex.name in _DONATING:
+        kernel = traced.donating()
+        for i in traced.donated:
+            # Another holder (a second storage, the executor's last results)
+            # would see a donated buffer vanish: donate a copy instead.
+            if sys.getrefcount(arrays[i]) > 3:
+                arrays[i] = jnp.copy(arrays[i])
+    arrays.append(flag.array)
+    outs, written = ex.run(kernel, arrays, storages + [flag])
+    del arrays
     for slot, array in zip(kernel.written_slots, written):
         storages[slot].assign(array)
     if traced.checks:
