@@ -16,7 +16,9 @@ in it, the service JAX starts in process 0 is started as that child
 instead, and JAX holds a stand-in whose `shutdown()` (JAX's own, once every
 process has passed its shutdown barrier) ends the child. If rank 0 dies,
 the child sees its pipe close without that word, serves the others for
-twice the heartbeat timeout (so that the service can tell them), and ends.
+the heartbeat timeout and 10 s more (so that the service can tell them),
+and ends. It shares rank 0's process group, so a launcher that ends that
+group (torchrun, at a failure or a restart) ends it too.
 This module imports nothing of torchtpu: it runs before the JAX backend.
 """
 import contextlib
@@ -42,7 +44,7 @@ word = sys.stdin.buffer.read()
 if word == b"done":
     service.shutdown()
 else:  # the parent died: let the service tell the others, then end
-    time.sleep(2 * (options.get("heartbeat_timeout") or 100) + 5)
+    time.sleep((options.get("heartbeat_timeout") or 100) + 10)
 os._exit(0)
 """
 
