@@ -267,6 +267,26 @@ WORKER = COMMON + textwrap.dedent("""\
         failures.append(f"local shards {shards}")
     compare(failures, train(model, X, Y), reference(), 1e-6)
 
+    failures = section("tp_fused")
+    torchtpu.set_eager_mode("fused")
+    model = make().to("tpu")
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    torchtpu.sync()  # the sharding (each rank its own slices) issued first
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    steps = result["tp_fused_steps"] = []
+    for _ in range(3):
+        before = torchtpu.metrics.snapshot()
+        F.mse_loss(model(X.to("tpu")), Y.to("tpu")).backward()
+        opt.step()
+        opt.zero_grad()
+        torchtpu.sync()
+        after = torchtpu.metrics.snapshot()
+        steps.append([sum(after["flushes"].values()) - sum(before["flushes"].values())] +
+                     [after[k] - before[k] for k in ("collectives_in_graphs", "collectives_issued",
+                                                     "mesh_graphs_run_op_by_op")])
+    compare(failures, list(model.parameters()), reference(), 1e-6)
+    torchtpu.set_eager_mode("strict")
+
     failures = section("sequence_parallel")
     # SequenceParallel reads each rank's input as its shard of the sequence.
     xs = [torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(r)) for r in range(world)]
@@ -359,6 +379,14 @@ def test_fsdp2_fused_mode_with_explicit_prefetching(results):
 
 def test_tensor_parallel_trains_as_one_process_on_the_whole_batch(results):
     _section(results, "tp")
+
+
+def test_tensor_parallel_fused_step_is_one_graph_with_its_collectives(results):
+    _section(results, "tp_fused")
+    for r in results:
+        # [flushes, collectives in graphs, issued on their own, graphs run op
+        # by op] per step: the sync's one flush, RowwiseParallel's all_reduce inside.
+        assert r["tp_fused_steps"] == [[1, 1, 0, 0]] * 3, r["tp_fused_steps"]
 
 
 def test_sequence_parallel_forward_and_backward_as_on_cpu(results):
