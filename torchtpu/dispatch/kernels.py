@@ -384,7 +384,7 @@ def _decode_meta(data):
         return None
     leaves = []
     for shape, stride, name in data["leaves"]:
-        dtype = getattr(torch, name)
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{name} is not a dtype")
         leaves.append(torch.empty_strided([int(n) for n in shape], [int(n) for n in stride],
