@@ -31,7 +31,7 @@ import torch
 from . import bounds, cache, errors, modes
 from .dispatch.kernels import Kernel, _physical_order
 from .modes.strict import StrictExecutor
-from .tensor import Storage, TpuTensor, read_view, view_tensor, whole_tensor
+from .tensor import Lost, Pending, Storage, TpuTensor, read_view, view_tensor, whole_tensor
 
 # Why graphs ran op by op, by reason: what a user (or a test) can inspect.
 graph_fallbacks = {}
@@ -69,7 +69,9 @@ class _Traced:
         # output are then the device's running flag.
         self.checks = checks
         # per output: ("t", dtype, None or its (shape, strides) over a
-        # permuted storage array) or ("c", value, None)
+        # permuted storage array), ("a", slot, (shape, strides, offset,
+        # key)) for an input returned as it came, ("d", j, None) for the
+        # same value as output j, or ("c", value, None)
         self.outputs = outputs
 
     def donating(self):
@@ -148,8 +150,17 @@ def _trace(gm, args, slots, n_storages, device, name):
             flag.assign(flag_before)
         outs = []
         outputs.clear()
+        slot_of = {id(st): slot for slot, st in enumerate(storages)}
+        returned_at = {}  # id(an output's value) -> its place in outputs
         for r, meta in zip(results if isinstance(results, (list, tuple)) else (results,), metas):
-            if type(r) is TpuTensor:
+            slot = slot_of.get(id(r._storage)) if type(r) is TpuTensor else None
+            if slot is not None and r._storage.array is arrays[slot] and _same_layout(r, meta):
+                # An input returned as it came (a parameter or the batch saved
+                # for backward): the result views the input's array, which
+                # the computation need not copy into a new buffer.
+                outputs.append(("a", slot, (tuple(r.shape), tuple(r.stride()),
+                                            r.storage_offset(), r._key)))
+            elif type(r) is TpuTensor:
                 value = read_view(r._storage.array, r._view)
                 order = _physical_order(meta) if isinstance(meta, torch.Tensor) else None
                 if order is None:
@@ -157,7 +168,14 @@ def _trace(gm, args, slots, n_storages, device, name):
                 else:
                     value = jnp.transpose(value, order)
                     outputs.append(("t", r.dtype, (tuple(r.shape), tuple(meta.stride()))))
-                outs.append(value)
+                earlier = returned_at.get(id(value))
+                if earlier is not None and outputs[earlier] == outputs[-1]:
+                    # The same value returned twice (an activation and its
+                    # alias): one output, which XLA need not copy.
+                    outputs[-1] = ("d", earlier, None)
+                else:
+                    returned_at[id(value)] = len(outputs) - 1
+                    outs.append(value)
             elif isinstance(r, torch.Tensor):
                 raise _Unservable(f"a {r.device} tensor output")
             else:
@@ -184,6 +202,14 @@ def _trace(gm, args, slots, n_storages, device, name):
     donated = tuple(slot for slot, new in zip(written, avals[1])
                     if (new.shape, new.dtype) == (specs[slot].shape, specs[slot].dtype))
     return _Traced(kernel, slots, list(outputs), tuple(checks), donated)
+
+
+def _same_layout(t, meta):
+    """Whether t has the shape, strides and offset AOTAutograd traced its
+    output with (meta, its fake tensor)."""
+    return (isinstance(meta, torch.Tensor) and tuple(meta.shape) == tuple(t.shape)
+            and tuple(meta.stride()) == tuple(t.stride())
+            and meta.storage_offset() == t.storage_offset())
 
 
 class _TracingExecutor(StrictExecutor):
@@ -300,7 +326,7 @@ def _run(traced, storages):
         outs = list(outs)
         new_flag = outs.pop()
         produced = [storages[slot] for slot in kernel.written_slots]
-    results = _results(traced, [Storage(o, kernel.device) for o in outs])
+    results = _results(traced, [Storage(o, kernel.device) for o in outs], storages)
     if traced.checks:
         produced += [r._storage for r in results if type(r) is TpuTensor]
         bounds.note_replayed(traced.checks, new_flag, storages, produced, kernel.device)
@@ -344,10 +370,12 @@ def _capture(traced, storages):
     except BaseException as e:
         g._abort(e)
         raise
+    # Only the computed outputs: a replay makes the others from them.
+    tensors = [r for r, (kind, _, _) in zip(results, traced.outputs) if kind == "t"]
+    del results
     g.capture_end()
     slot_of = {id(st): k for k, st in enumerate(storages)}
     slot_of[id(bounds.flag_input(False, traced.kernel.device))] = _FLAG
-    tensors = [r for r in results if type(r) is TpuTensor]
     result_of = {id(r._storage): ("r", j) for j, r in enumerate(tensors)}
     captured = g.captured
     inputs = [slot_of.get(id(st)) for st in captured.inputs]
@@ -382,15 +410,54 @@ def _replayed(traced, storages):
     if ex.name == "debug":
         jax.block_until_ready(ex._last)  # (the replay's results)
         bounds.check()  # debug mode raises at the call that went out of range
-    return _results(traced, made)
+    return _results(traced, made, storages)
 
 
-def _results(traced, storages):
-    """The graph's outputs: its constants, and tensors over storages (one
-    per tensor output, in order, holding the arrays the kernel returned)."""
+def _alias(storage, shape, stride, offset, key):
+    """A tensor viewing storage's array as it is now, in a storage of its
+    own (a later write to storage is not seen, as if it were a copy)."""
+    array = storage.array
+    if type(array) in (Pending, Lost):
+        # Not a value yet (fused mode, capture): the recorder's copy of it
+        # (a Pending has one owner), one node of its graph.
+        (array,), _ = modes._current.run(_copy_kernel(array, storage.device), [array], [storage])
+    return view_tensor(Storage(array, storage.device), shape, stride, offset, key)
+
+
+_copy_kernels = {}
+
+
+def _copy(array):
+    return (array,), ()
+
+
+def _copy_kernel(array, device):
+    """The kernel returning its one input: a recorded copy of a pending value."""
+    kind = (array.shape, array.dtype, device)
+    kernel = _copy_kernels.get(kind)
+    if kernel is None:
+        kernel = _copy_kernels[kind] = Kernel("compiled_graph_output", _copy, None, (),
+                                              device=device)
+        kernel.avals = ((jax.ShapeDtypeStruct(array.shape, array.dtype),), ())
+    return kernel
+
+
+def _results(traced, storages, inputs):
+    """The graph's outputs: its constants, inputs it returned as they came
+    (views of their arrays, in storages of their own: a later write to the
+    input is not seen), and tensors over storages (one per computed tensor
+    output, in order, holding the arrays the kernel returned). inputs: the
+    call's storages."""
     results, it = [], iter(storages)
     for kind, value, layout in traced.outputs:
-        if kind != "t":
+        if kind == "a":
+            shape, stride, offset, key = layout
+            results.append(_alias(inputs[value], shape, stride, offset, key))
+        elif kind == "d":
+            t = results[value]
+            results.append(_alias(t._storage, tuple(t.shape), t.stride(), t.storage_offset(),
+                                  t._key))
+        elif kind != "t":
             results.append(value)
         elif layout is None:
             st = next(it)
