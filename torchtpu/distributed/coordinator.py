@@ -61,8 +61,9 @@ class ServiceProcess:
         line = self._first_line()
         if line != "ready":
             self.proc.kill()
+            ended = f"its process ended (exit status {self.proc.wait()})"
             raise RuntimeError(f"torchtpu: JAX's coordination service on {address} did not "
-                               f"start: {line or 'its process ended'}")
+                               f"start: {line or ended}")
 
     def _first_line(self):
         got = []
