@@ -8,6 +8,9 @@ atomic writes, checked reads, read-only mode):
   (result shapes, dtypes and structure, what fused mode needs to record the
   op) and, once strict or debug mode compiled it, its executable;
 - each fused graph's executable is stored (`program-<key>-cache`);
+- small values (`value-<key>-cache`): each call's meta outcome
+  (dispatch.kernels.meta_outcome) and the list of what a run's start-up
+  loaded, which the next run loads ahead on a thread (start_prefetch);
 - anything else torchtpu compiles (a user's kernel, a view read) goes through
   JAX's persistent cache, in JAX's entry format, written through the same
   checked storage.
@@ -512,7 +515,7 @@ def stored_value(key_text, compute, encode, decode):
 PREFETCH = os.environ.get("TORCHTPU_CACHE_PREFETCH", "1") != "0"
 _STARTUP_LIMIT = 256
 _startup_used = []  # [key, device] of what this run loaded or compiled first
-_prefetch = {"thread": None, "listed": None, "done": False, "loaded": {}}
+_prefetch = {"thread": None, "listed": None, "done": False, "stop": False, "loaded": {}}
 _prefetch_ready = threading.Condition()
 
 
@@ -530,7 +533,7 @@ def start_prefetch():
     t = _prefetch["thread"] = threading.Thread(target=_prefetch_run, args=(disk,), daemon=True,
                                                name="torchtpu-cache-prefetch")
     t.start()
-    atexit.register(_write_startup, disk)
+    atexit.register(_finish_prefetch, disk)
 
 
 def _prefetch_run(disk):
@@ -549,6 +552,8 @@ def _prefetch_run(disk):
             _prefetch_ready.notify_all()
     try:
         for key, device in listed:
+            if _prefetch["stop"]:
+                break
             entry = None
             started = time.monotonic()
             header, rest = _read(disk, key)
@@ -593,7 +598,11 @@ def _note_startup(key, device):
         _startup_used.append([key, device])
 
 
-def _write_startup(disk):
+def _finish_prefetch(disk):
+    """At exit: stop the thread after the executable it is loading (it must
+    not be inside XLA when the interpreter goes), and list this start-up."""
+    _prefetch["stop"] = True
+    _prefetch["thread"].join(timeout=60)
     listed = _prefetch["listed"]
     if _startup_used and (listed is None or {k for k, _ in _startup_used} != listed):
         disk.put(_startup_key(), _encode({"startup": _startup_used}))
