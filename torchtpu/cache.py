@@ -435,16 +435,27 @@ def jit_kernel(owner, fn, name, device=0):
     return first_call
 
 
+_DAMAGED = object()
+
+
+def _decoded(disk, key, decode):
+    """decode() of the record read for key, or _DAMAGED (counted, warned
+    about) when it raises as a decoder does on what it did not write."""
+    try:
+        return decode()
+    except (KeyError, TypeError, ValueError) as e:
+        disk._corrupt(key, f"{type(e).__name__}: {e}")
+        return _DAMAGED
+
+
 def _kernel_executable(disk, owner, fn, name, device, args):
     key = _record_key(KERNEL_PREFIX, owner.stable_key, args, device)
     _note_startup(key, device)
     header, compiled = _stored_executable(disk, key, device)
     if compiled is not None:
-        try:
-            owner.out_tree = decode_tree(header["out_tree"])
-        except (KeyError, TypeError, ValueError) as e:
-            disk._corrupt(key, f"{type(e).__name__}: {e}")
-        else:
+        tree = _decoded(disk, key, lambda: decode_tree(header["out_tree"]))
+        if tree is not _DAMAGED:
+            owner.out_tree = tree
             STATS.kernels_loaded += 1
             return compiled
     compiled = _compile(fn, name, key, args, (), device)  # tracing fn sets owner.out_tree
@@ -463,12 +474,9 @@ def eval_shape_kernel(owner, args):
     key = _record_key(KERNEL_PREFIX, owner.stable_key, args, owner.device)
     header, _ = _read(disk, key)
     if header is not None:
-        try:
-            avals = _decode_avals(header)
-            owner.out_tree = decode_tree(header["out_tree"])
-        except (KeyError, TypeError, ValueError) as e:
-            disk._corrupt(key, f"{type(e).__name__}: {e}")
-        else:
+        got = _decoded(disk, key, lambda: (_decode_avals(header), decode_tree(header["out_tree"])))
+        if got is not _DAMAGED:
+            avals, owner.out_tree = got
             STATS.traces_loaded += 1
             return avals
     avals = jax.eval_shape(owner.fn, *args)
@@ -490,11 +498,8 @@ def stored_value(key_text, compute, encode, decode):
     key = VALUE_PREFIX + _sha256("\n".join([_source_digest(), key_text]).encode())
     header, _ = _read(disk, key)
     if header is not None:
-        try:
-            value = decode(header["value"])
-        except (KeyError, TypeError, ValueError) as e:
-            disk._corrupt(key, f"{type(e).__name__}: {e}")
-        else:
+        value = _decoded(disk, key, lambda: decode(header["value"]))
+        if value is not _DAMAGED:
             STATS.values_loaded += 1
             return value
     value = compute()
