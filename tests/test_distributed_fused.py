@@ -125,6 +125,7 @@ WORKER = textwrap.dedent("""\
         got = [t.cpu() for t in got]
         after = metrics.snapshot()
         delta = lambda a, b, k: a[k] - b[k]  # noqa: E731
+        flushes = lambda a, b: sum(a["flushes"].values()) - sum(b["flushes"].values())  # noqa: E731
         report["collectives"][name] = {
             "equal": len(got) == len(want) and all(
                 a.dtype == b.dtype and a.shape == b.shape and
@@ -132,8 +133,8 @@ WORKER = textwrap.dedent("""\
                             b.view(torch.int32) if b.dtype == torch.float32 else b)
                 for a, b in zip(got, want)),
             "values": [str(t) for t in got] + [str(t) for t in want],
-            "flushes in the call": sum(during["flushes"].values()) - sum(before["flushes"].values()),
-            "flushes to read": sum(after["flushes"].values()) - sum(during["flushes"].values()),
+            "flushes in the call": flushes(during, before),
+            "flushes to read": flushes(after, during),
             "recorded": delta(after, before, "collectives_in_graphs"),
             "issued": delta(after, before, "collectives_issued"),
             "op by op": delta(after, before, "mesh_graphs_run_op_by_op")}
