@@ -1,8 +1,9 @@
 """Collectives in fused mode are nodes of the graph, not sync points: a DDP
 training step over two processes is one compiled graph per step (asserted
-through metrics) and ends with the parameters gloo's DDP gets on CPU; ranks
-whose graphs hold different collectives raise on every rank instead of
-hanging."""
+through metrics) and ends with the parameters gloo's DDP gets on CPU; each
+collective (broadcast, reduce, all_to_all, the functional ones) is recorded
+and matches gloo, gather and scatter are issued at once; ranks whose graphs
+hold different collectives raise on every rank instead of hanging."""
 import json
 import textwrap
 
