@@ -9,42 +9,12 @@ step counts on the device (capturable=True; without it they are CPU tensors
 and the optimizer graph runs op by op), then the loss read on the host.
 """
 import logging
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import torchtpu
-from fused import TinyGPT, gpt_batch, jax_mlp_step_fn, mlp, mlp_batch, step_fn
-
-# Steps per timed block. A step that ends reading its loss waits for its
-# forward only: its backward and optimizer step may still run when it
-# returns (the jax.jit step's loss comes out of its one computation, so it
-# waits for all of it). Timing single steps side by side would bill that
-# tail to whichever step runs next; a block of steps ends waiting for all
-# the work it issued, as a training loop's steady state does.
-BLOCK = 3
-
-
-def loop_ms(fns, repeats, warmup):
-    """{name: median ms per step of fns[name]()}, timed in blocks of BLOCK
-    steps ending with torch.tpu.synchronize(), the blocks alternating
-    between the functions so that all of them see the same machine load."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-        torch.tpu.synchronize()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(BLOCK):
-                fn()
-            torch.tpu.synchronize()
-            times[name].append((time.perf_counter() - start) / BLOCK)
-    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
-
+from fused import BLOCK, TinyGPT, gpt_batch, jax_mlp_step_fn, loop_ms, mlp, mlp_batch, step_fn
 
 def compiled_step_fn(make_model, make_batch, mode="strict", device="tpu", compile_mode=None):
     """One compiled AdamW step of a fresh model (seeded) as run(); with

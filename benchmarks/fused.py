@@ -4,9 +4,12 @@ once and replayed (torch.tpu.graph), and a replayed greedy decode step.
 
 Each figure is the median of several repeats, measured side by side in one
 process: torchtpu fused, torchtpu strict, PyTorch CPU eager, jax.jit, and
-for replay_steps the replayed graph, the runs alternating.
+for replay_steps the replayed graph, the runs alternating (replay_steps'
+training steps in blocks ending with a synchronize: loop_ms).
 """
 import functools
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +179,35 @@ training_steps.columns = [
 
 # ---- graph replay --------------------------------------------------------------
 
+# Steps per timed block. A step that ends reading its loss waits for its
+# forward only: its backward and optimizer step may still run when it
+# returns (the jax.jit step's loss comes out of its one computation, so it
+# waits for all of it). Timing single steps side by side would bill that
+# tail to whichever step runs next; a block of steps ends waiting for all
+# the work it issued, as a training loop's steady state does.
+BLOCK = 3
+
+
+def loop_ms(fns, repeats, warmup):
+    """{name: median ms per step of fns[name]()}, timed in blocks of BLOCK
+    steps ending with torch.tpu.synchronize(), the blocks alternating
+    between the functions so that all of them see the same machine load."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+        torch.tpu.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(BLOCK):
+                fn()
+            torch.tpu.synchronize()
+            times[name].append((time.perf_counter() - start) / BLOCK)
+    return {name: statistics.median(v) * 1e3 for name, v in times.items()}
+
+
+
 def _buffers(tensors):
     """The device buffer each tensor's storage holds now."""
     return [t._storage.array.unsafe_buffer_pointer() for t in tensors]
@@ -291,7 +323,7 @@ def replay_steps(repeats=9):
         if make_model is mlp:
             fns["jax_jit"] = jax_mlp_step_fn()
         kept = in_place(fns["replayed"])
-        ms = alternating_ms(fns, n, warmup=3)
+        ms = loop_ms(fns, n, warmup=3)
         rows.append(dict(ms, step=name, kept=kept))
     fns = {"replayed": decode_fn("tpu", replay=True), "fused": decode_fn("tpu", "fused"),
            "strict": decode_fn("tpu", "strict"), "torch_cpu": decode_fn("cpu")}
@@ -309,7 +341,8 @@ def replay_steps(repeats=9):
     return rows
 
 
-replay_steps.title = ("Graph replay (torch.tpu.graph), ms per step, median, side by side: "
+replay_steps.title = ("Graph replay (torch.tpu.graph), ms per step, median (training steps: of "
+                      f"blocks of {BLOCK} steps each ending with a synchronize), side by side: "
                       "replayed vs fused vs strict vs PyTorch CPU eager vs one jax.jit function")
 replay_steps.columns = [
     ("step", "step", "{}"), ("replayed", "replayed", "{:.2f}"), ("fused", "fused", "{:.2f}"),
