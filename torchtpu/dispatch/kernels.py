@@ -354,7 +354,7 @@ def meta_outcome(plan, pos_specs, kw_specs, run):
     stored for a call of the same specs: a meta kernel is a function of what
     the specs describe, as the in-memory kernel cache already assumes, and a
     call that raised stored nothing (so its error is raised again)."""
-    if plan.func.namespace not in _STORED_META_NAMESPACES \
+    if getattr(plan.func, "namespace", None) not in _STORED_META_NAMESPACES \
             or getattr(plan.lowering, "process_local", False):
         return run()
     text = repr(("meta", plan.name, plan.kind, pos_specs, kw_specs))
