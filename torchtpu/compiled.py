@@ -7,9 +7,13 @@ one traced JAX function: its inputs are tpu tensors over storages that hold
 JAX tracers, so each aten op adds its lowering's code to that one function
 instead of running. What the function returns is the graph's outputs and the
 new arrays of the input storages the graph wrote (an optimizer's in-place
-updates, batch norm's running statistics). A call then is one kernel given
-to the current executor: strict issues it asynchronously, debug waits for
-it, fused records it as one node of the pending graph.
+updates, batch norm's running statistics); inputs returned as they came and
+values returned twice are not outputs (XLA would copy them), the results
+view their arrays. A call then is one kernel given to the current executor:
+strict issues it asynchronously and debug waits for it, both donating the
+written inputs; fused records it as one node of the pending graph. With
+mode="reduce-overhead" a kind of call is captured once (torch.tpu.graph)
+and every call replays the capture over its own storages.
 
 A kind of call is the inputs' keys (dtype, storage shape, view, device),
 which inputs share a storage, and the values of non-tensor inputs; a new
