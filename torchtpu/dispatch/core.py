@@ -25,7 +25,7 @@ from ..tensor import GrownStorage, Lost, Storage, TpuTensor, contiguous_strides,
 from .host import download, host_values, to_tpu
 from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
                       _physical_order, _run_meta, _spec, _unflatten, first_device, kernel_device,
-                      meta_outcome)
+                      meta_outcome, written_checked)
 from .plans import _INDICES, SPECIAL, Plan
 
 aten = torch.ops.aten
@@ -193,7 +193,8 @@ def _run_lowered(plan, args, kwargs):
     if entry is None:
         device = kernel_device(pos_specs, kw_specs)  # (raises CUDA's error for two devices)
         if plan.kind == "mutate":
-            if _check_written(plan, args, kwargs):
+            if written_checked(plan, pos_specs, kw_specs,
+                               lambda: _check_written(plan, args, kwargs)):
                 # An out= tensor was resized: its key part changed.
                 return _run_lowered(plan, args, kwargs)
             # The functional variant's outputs decide the dtypes to cast to.

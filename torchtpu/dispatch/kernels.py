@@ -4,6 +4,7 @@ traceable function that materializes the views, runs the lowering, casts to
 the meta kernel's dtypes and writes written arguments back, and PyTorch's
 meta kernels run for shapes and dtypes."""
 import itertools
+import warnings
 
 import jax.numpy as jnp
 import torch
@@ -349,18 +350,62 @@ _META = torch.device("meta")
 _STORED_META_NAMESPACES = frozenset({"aten", "prims", "torchtpu"})
 
 
+def _stored_meta_key(plan, pos_specs, kw_specs, what):
+    """The text a meta kernel's outcome for this call is stored under, or
+    None when it is not stored (a meta kernel of code not in the key)."""
+    if getattr(plan.func, "namespace", None) not in _STORED_META_NAMESPACES \
+            or getattr(plan.lowering, "process_local", False):
+        return None
+    text = repr((what, plan.name, plan.kind, pos_specs, kw_specs))
+    return None if " at 0x" in text else text  # (not describable across processes)
+
+
 def meta_outcome(plan, pos_specs, kw_specs, run):
     """run() (_run_meta for this call), or the outcome an earlier process
     stored for a call of the same specs: a meta kernel is a function of what
     the specs describe, as the in-memory kernel cache already assumes, and a
     call that raised stored nothing (so its error is raised again)."""
-    if getattr(plan.func, "namespace", None) not in _STORED_META_NAMESPACES \
-            or getattr(plan.lowering, "process_local", False):
+    text = _stored_meta_key(plan, pos_specs, kw_specs, "meta")
+    if text is None:
         return run()
-    text = repr(("meta", plan.name, plan.kind, pos_specs, kw_specs))
-    if " at 0x" in text:  # not describable across processes
+    return _stored(text, run, _encode_meta, _decode_meta)
+
+
+def written_checked(plan, pos_specs, kw_specs, run):
+    """run() (core._check_written: PyTorch's checks of a mutating op, and
+    whether an out= tensor was resized), or False when an earlier process's
+    call of the same specs passed them and resized nothing."""
+    text = _stored_meta_key(plan, pos_specs, kw_specs, "written")
+    if text is None:
         return run()
-    return cache.stored_value(text, run, _encode_meta, _decode_meta)
+    return _stored(text, run, lambda resized: None if resized else False, _decode_false)
+
+
+def _stored(text, run, encode, decode):
+    """cache.stored_value for a meta kernel's outcome; one that warned is not
+    stored (a later process would not warn), and its warnings are issued as
+    they came, under the program's filters."""
+    warned = []
+
+    def compute():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                return run()
+            finally:
+                warned.extend(caught)  # issued below, under the program's own filters
+
+    try:
+        return cache.stored_value(text, compute, lambda v: None if warned else encode(v), decode)
+    finally:
+        for w in warned:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _decode_false(data):
+    if data is not False:
+        raise ValueError(f"{data!r} is not a stored check")
+    return False
 
 
 def _encode_meta(out_meta):
