@@ -86,10 +86,12 @@ def test_memory_allocated_counts_live_tensors(mode):
 
 
 def test_peak_seen_at_event_record(mode):
+    # (A timing event: in fused mode a plain one issues nothing at record,
+    # so x would never be allocated at all.)
     torch.tpu.reset_peak_memory_stats()
     base = torch.tpu.memory_allocated()
     x = torch.zeros(1 << 18, device="tpu") + 1
-    torch.tpu.Event().record()
+    torch.tpu.Event(enable_timing=True).record()
     del x
     gc.collect()
     assert torch.tpu.max_memory_allocated() >= base + (1 << 20)
@@ -225,16 +227,34 @@ def test_event_api_semantics(mode):
 
 
 def test_event_record_is_a_flush_boundary_in_fused_mode():
+    """A timing event's record issues the recorded ops (its time is
+    theirs); a plain event's issues nothing until it is asked about, then
+    waits for at least the work before it."""
     from torchtpu.modes.fused import STATS
     from torchtpu.tensor import Pending
     with torchtpu.eager_mode("fused"):
         x = torch.randn(16, device="tpu")
         y = x * 2 + 1
         before = STATS.flushes["event"]
-        torch.tpu.Event().record()
+        torch.tpu.Event(enable_timing=True).record()
         assert STATS.flushes["event"] == before + 1
         assert type(y._storage.array) is not Pending  # issued, not recorded
         torch.testing.assert_close(y.cpu(), x.cpu() * 2 + 1)
+
+        for ask in ("synchronize", "query"):
+            z = y * 3
+            plain = torch.tpu.Event()
+            plain.record()
+            torch.tpu.current_stream().wait_event(plain)
+            assert STATS.flushes["event"] == before + 1
+            assert type(z._storage.array) is Pending  # still recorded
+            getattr(plain, ask)()
+            assert STATS.flushes["event"] == before + 2
+            assert type(z._storage.array) is not Pending
+            plain.synchronize()
+            assert plain.query() and z._storage.array.is_ready()
+            before += 1
+            torch.testing.assert_close(z.cpu(), (x.cpu() * 2 + 1) * 3)
 
 
 def test_subclasses_of_torch_event_and_stream_still_construct():

@@ -148,7 +148,7 @@ def test_upload_overwritten_in_a_flush_before_the_sync_point():
         pinned = src.pin_memory()
         x = pinned.to("tpu", non_blocking=True)
         x.mul_(2)
-        torch.tpu.Event().record()  # a flush
+        torch.tpu.Event(enable_timing=True).record()  # a flush
         torch.tpu.synchronize()
         pinned.fill_(0)
         assert_same(x, src * 2)

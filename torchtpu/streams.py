@@ -10,9 +10,14 @@ it just gets no overlap from them.
 An event's record() marks the work issued so far (the device arrays alive
 then, which hold the results of everything issued); a waiter thread stamps
 the time when they are all complete. So elapsed_time() measures device
-work, and record() does not block the host. In fused mode record() is a
-flush boundary: the ops recorded so far are issued (compiled as one graph,
-not waited for) so that the event stands after them.
+work, and record() does not block the host. In fused mode a timing
+event's record() is a flush boundary: the ops recorded so far are issued
+(compiled as one graph, not waited for) so that the event stands after them
+and its time is theirs. A plain event's record() issues nothing: what can be
+asked of it later (query, synchronize) issues the pending ops then and
+waits for them, so it waits for at least the work before the record, and
+the stream waits a library builds from events (FSDP2 records several a
+step) no longer cut the step's graph.
 
 PyTorch's own torch.Event and torch.Stream call the C++ device guard for
 these (record, synchronize, elapsed_time), which a Python backend cannot
@@ -41,6 +46,11 @@ def _issue_pending():
     flush = getattr(modes.current(), "flush", None)
     if flush is not None:
         flush("event")
+
+
+def _fused():
+    from . import modes
+    return modes.current().name == "fused"
 
 
 def synchronize(device=None):
@@ -170,6 +180,7 @@ class Event(_TorchEvent):
         self._done = threading.Event()
         self._time = None
         self._arrays = None
+        self._unissued = False  # recorded in fused mode, the work before it not yet issued
         return self
 
     def __init__(self, *args, **kwargs):
@@ -181,12 +192,19 @@ class Event(_TorchEvent):
         self._done.set()
 
     def record(self, stream=None):
-        """Mark the work issued so far; returns at once (fused mode: issues the
-        recorded ops first)."""
-        _issue_pending()
+        """Mark the work issued so far; returns at once (fused mode: a timing
+        event issues the recorded ops first, a plain one when asked about)."""
         self._recorded = True
         self._done = threading.Event()
         self._time = None
+        self._arrays = None
+        self._unissued = not self._timing and _fused()
+        if not self._unissued:
+            self._mark()
+
+    def _mark(self):
+        _issue_pending()
+        self._unissued = False
         self._arrays = arrays = _marker()
         memory.sample(settle=False)
         if _waiter.pending == 0 and _ready(arrays):  # (earlier events stamp first)
@@ -196,12 +214,16 @@ class Event(_TorchEvent):
 
     def query(self):
         """Whether the work before the record is complete (stamped or not yet)."""
+        if self._unissued:
+            self._mark()
         if not self._recorded or self._done.is_set():
             return True
         arrays = self._arrays
         return arrays is None or _ready(arrays)
 
     def synchronize(self):
+        if self._unissued:
+            self._mark()
         if self._recorded:
             self._done.wait()
 
