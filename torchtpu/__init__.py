@@ -5,7 +5,6 @@ from . import device as _device
 _device.register_device()
 
 from . import cache, metrics, ops  # noqa: E402
-
 ops.load_all()
 _device.register_kernels()
 

@@ -535,6 +535,10 @@ def start_prefetch():
     disk = _disk()
     if not PREFETCH or disk is None or _prefetch["thread"] is not None:
         return
+    # What the thread imports, imported here: the program may be importing
+    # other modules meanwhile.
+    from jax.experimental import serialize_executable  # noqa: F401
+    from . import runtime  # noqa: F401
     t = _prefetch["thread"] = threading.Thread(target=_prefetch_run, args=(disk,), daemon=True,
                                                name="torchtpu-cache-prefetch")
     t.start()
