@@ -23,7 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LENGTHS = (48, 256)
 
 
-def _model(name):
+def tiny_model(name):
+    """The tiny "llama" or "gpt2" of this benchmark (tests/test_generate.py
+    checks the same ones), seeded, in eval mode, on CPU."""
     import torch
     import transformers
     torch.manual_seed(0)
@@ -39,7 +41,7 @@ def _model(name):
 def _worker(model_name, cache, mode):
     import torch
     import torchtpu
-    model = _model(model_name)
+    model = tiny_model(model_name)
     prompt, warm = torch.randint(0, 256, (2, 6)), torch.randint(0, 256, (2, 6))
     kw = dict(do_sample=False, pad_token_id=0)
     if cache == "static":

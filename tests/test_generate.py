@@ -2,6 +2,9 @@
 run compiles at most 16 kernels or graphs after a short warm-up, in every
 mode, with the dynamic cache (grown by torch.cat each step) and the static
 one (token ids still grow)."""
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -9,18 +12,22 @@ import torchtpu
 
 transformers = pytest.importorskip("transformers")
 
+
+def _benchmark():
+    """benchmarks/generate.py, by its path (its directory on sys.path would
+    let its siblings, common.py, fused.py, ..., shadow other imports)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", "generate.py")
+    spec = importlib.util.spec_from_file_location("torchtpu_benchmark_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The benchmark's tiny models, the workload timed there.
+_tiny = _benchmark().tiny_model
+
 NEW_TOKENS = 256
-
-
-def _tiny(name):
-    torch.manual_seed(0)
-    if name == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                       num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=512)
-        return transformers.LlamaForCausalLM(cfg).eval()
-    cfg = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512)
-    return transformers.GPT2LMHeadModel(cfg).eval()
 
 
 @pytest.mark.parametrize("model_name,cache,mode", [
