@@ -19,6 +19,10 @@ from . import properties, runtime
 # it, and the platform's own peak at that reset (its peak cannot be reset).
 _peaks = {}
 
+# Waits for what holds device arrays only until issued work completes (the
+# events' waiter): after them, the live arrays are exactly the user's.
+holders = []
+
 
 def _peak(index):
     p = _peaks.get(index)
@@ -35,6 +39,8 @@ def _settle():
     runtime.wait_transfers()
     modes.note_sync("memory_stats")
     modes.sync()
+    for wait in holders:
+        wait()
 
 
 def live_arrays(index=None):

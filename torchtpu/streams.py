@@ -94,13 +94,13 @@ class _Waiter:
         self._queue = queue.Queue()
         self._thread = None
         self.pending = 0  # events submitted and not yet stamped
-        self._lock = threading.Lock()
+        self._idle = threading.Condition()
 
     def submit(self, event, arrays):
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="torchtpu-events", daemon=True)
             self._thread.start()
-        with self._lock:
+        with self._idle:
             self.pending += 1
         self._queue.put((event, arrays))
 
@@ -109,12 +109,20 @@ class _Waiter:
             event, arrays = self._queue.get()
             _block(arrays)
             event._stamp(time.perf_counter())
-            with self._lock:
+            del event, arrays  # (first: a drained waiter holds no arrays)
+            with self._idle:
                 self.pending -= 1
-            del event, arrays
+                self._idle.notify_all()
+
+    def drain(self):
+        """Wait until every submitted event is stamped and its arrays let go
+        (a memory query's duty: the tensors the user freed are freed)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self.pending == 0)
 
 
 _waiter = _Waiter()
+memory.holders.append(_waiter.drain)
 # A forked child (a DataLoader worker) has no waiter thread: it starts its own.
 os.register_at_fork(after_in_child=_waiter.__init__)
 
