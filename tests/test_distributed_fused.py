@@ -7,6 +7,8 @@ hold different collectives raise on every rank instead of hanging."""
 import json
 import textwrap
 
+import pytest
+import torch
 from processes import finish, start_ranks
 
 WORKER = textwrap.dedent("""\
@@ -49,6 +51,74 @@ WORKER = textwrap.dedent("""\
     got = train("tpu", None, 5)
     report["close"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
     report["diff"] = max(float((a - b).abs().max()) for a, b in zip(got, want))
+
+    # Rank 0 alone reads the loss, as CUDA scripts log it, with no sync:
+    # before the optimizer's step on even steps (backward's all_reduces are
+    # pending: a side graph of the forward computes it), after it on odd
+    # ones (the step issued the graph); other reads of the first step's
+    # values too. The ranks' graphs stay the same: none runs op by op.
+    def train_logged(dev, group, steps):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 2)).to(dev)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                        bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        xs, ys = x[4 * rank:4 * rank + 4].to(dev), y[4 * rank:4 * rank + 4].to(dev)
+        losses, steps_seen = [], []
+        for step in range(steps):
+            before = metrics.snapshot()
+            out = ddp(xs)
+            loss = F.mse_loss(out, ys)
+            loss.backward()
+            if dev == "cpu":
+                losses.append(loss.item())
+            elif rank == 0 and step % 2 == 0:
+                losses.append(loss.item())
+                if step == 0:
+                    printed, values = repr(out), out.tolist()
+                    report["other reads"] = [
+                        printed.startswith(repr(torch.tensor(values))[:-1]), values,
+                        bool(loss > 0), loss.cpu().item()]
+            opt.step()
+            if dev == "tpu" and rank == 0 and step % 2 == 1:
+                losses.append(loss.item())
+            opt.zero_grad()
+            if dev == "tpu":
+                after = metrics.snapshot()
+                delta = {k: after[k] - before[k] for k in (
+                    "graphs_compiled", "side_reads", "side_graphs_compiled",
+                    "mesh_graphs_run_op_by_op", "collectives_issued")}
+                delta["flushes"] = {k: v - before["flushes"].get(k, 0)
+                                    for k, v in after["flushes"].items()
+                                    if v != before["flushes"].get(k, 0)}
+                steps_seen.append(delta)
+        return [p.detach().cpu() for p in model.parameters()], losses, steps_seen
+
+    torchtpu.set_eager_mode("strict")
+    want, want_losses, _ = train_logged("cpu", gloo, 6)
+    torchtpu.set_eager_mode("fused")
+    got, losses, report["logged steps"] = train_logged("tpu", None, 6)
+    report["logged close"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                                 for a, b in zip(got, want))
+    report["logged losses"] = [losses, want_losses]
+
+    # A side read's random values are the full graph's, and an in-place
+    # write it computed is not committed by it.
+    c = torch.ones(3, device="tpu") * 1
+    dist.all_reduce(c)
+    r = torch.rand(4, device="tpu")
+    w = torch.zeros(3, device="tpu") * 1
+    w.add_(1)
+    before = metrics.snapshot()
+    side = [r.tolist(), w.tolist()]
+    w.add_(1)
+    during = metrics.snapshot()
+    torchtpu.sync()
+    report["side read"] = {
+        "side reads": during["side_reads"] - before["side_reads"],
+        "flushes": sum(during["flushes"].values()) - sum(before["flushes"].values()),
+        "values": side + [r.tolist(), w.tolist(), c.tolist()]}
 
     # Each collective in fused mode against gloo on CPU tensors: the call
     # flushes nothing (recorded, or for gather and scatter issued at once
@@ -145,6 +215,24 @@ WORKER = textwrap.dedent("""\
     t = t * 2 if rank == 0 else t
     dist.all_reduce(t)
     report["local ops differ"] = t.cpu().tolist()
+    # A value that depends on a pending collective, read on rank 0 alone:
+    # rank 0 flushes the graph at the read, rank 1 at its optimizer step
+    # with backward's all_reduces in it too: both raise, saying why.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to("tpu")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    try:
+        loss = ddp(x[:4].to("tpu")).sum()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        if rank == 0:
+            total.item()
+        loss.backward()
+        opt.step()
+        report["reduced read"] = "no error"
+    except RuntimeError as e:
+        report["reduced read"] = str(e)
     # Ranks whose graphs hold different collectives (rank 0 one all_reduce
     # more) raise on every rank, rather than hang.
     t = torch.ones(3, device="tpu")
@@ -163,12 +251,17 @@ WORKER = textwrap.dedent("""\
 """)
 
 
-def test_fused_ddp_step_is_one_graph_with_its_collectives(tmp_path):
-    procs, outs = start_ranks(tmp_path, WORKER, 2)
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    procs, outs = start_ranks(tmp_path_factory.mktemp("fused"), WORKER, 2)
     logs = finish(procs, timeout=300)
     for out, log in zip(outs, logs):
         assert out.exists(), log
-    for r in [json.load(open(out)) for out in outs]:
+    return [json.load(open(out)) for out in outs]
+
+
+def test_fused_ddp_step_is_one_graph_with_its_collectives(reports):
+    for r in reports:
         assert r["close"], r["diff"]
         # DDP rebuilds its buckets after the first step (broadcasting their
         # layout, run at once); from the third step on, each step is one
@@ -195,8 +288,43 @@ def test_fused_ddp_step_is_one_graph_with_its_collectives(tmp_path):
         assert "the ranks called it with different arguments" in r["mismatch"], r["mismatch"]
 
 
+def test_fused_ddp_loss_read_on_rank_0_only(reports):
+    for rank, r in enumerate(reports):
+        steps = r["logged steps"]
+        assert r["logged close"], steps
+        # One full graph per step, issued at the optimizer's step (no read
+        # flushes it), compiled once from the third step on; the ranks'
+        # graphs alike (none op by op, nothing issued on its own).
+        for step in steps[2:]:
+            assert step["flushes"] == {"optimizer_step": 1}, steps
+        assert [s["graphs_compiled"] for s in steps[3:]] == [0, 0, 0], steps
+        # But the first: its graph holds DDP's broadcast of the parameters,
+        # which the loss depends on, so rank 0's read flushes it there alone,
+        # and both ranks run that graph op by op (correct values), once.
+        assert [s["mesh_graphs_run_op_by_op"] for s in steps] == [1, 0, 0, 0, 0, 0], steps
+        assert all(s["collectives_issued"] == 0 for s in steps[1:]), steps
+        # Side graphs on rank 0 alone, at the reads before the step (the
+        # forward's, compiled at the first of them and reused after).
+        assert [s["side_reads"] > 0 for s in steps] == (
+            [False, False] + [True, False] * 2 if rank == 0 else [False] * 6), steps
+        assert all(s["side_graphs_compiled"] == 0 for s in steps[4:]), steps
+        side = r["side read"]
+        assert side["side reads"] == 2 and side["flushes"] == 0, side
+        rand, written, rand_full, written_full, reduced = side["values"]
+        assert rand == rand_full and written == [1.0] * 3, side
+        assert written_full == [2.0] * 3 and reduced == [2.0] * 3, side
+        assert "the ranks called it with different arguments" in r["reduced read"], r
+        assert "flushed for item at" in r["reduced read"], r["reduced read"]
+        assert "Call torchtpu.sync() on every rank" in r["reduced read"], r["reduced read"]
+    # Rank 0's losses, read before and after the step, are gloo's on CPU.
+    losses, want = reports[0]["logged losses"]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6), \
+        (losses, want)
+    printed, values, positive, item = reports[0]["other reads"]
+    assert printed and positive == (item > 0) and len(values) == 4, reports[0]["other reads"]
+
+
 def test_a_graph_flushed_on_some_ranks_only_says_how_to_avoid_it():
-    import pytest
     from torchtpu.distributed import agreement
     # Rank 0 read a value alone (flushing its graph), rank 1 went on to its
     # next collective: the error says what happened and what to do.
@@ -207,3 +335,9 @@ def test_a_graph_flushed_on_some_ranks_only_says_how_to_avoid_it():
     with pytest.raises(RuntimeError) as raised:
         agreement._check("a fused graph", ["fused graph 1f", "fused graph 2e"], [0, 1])
     assert "torchtpu.sync" not in str(raised.value)
+    # Two graphs flushed at different points (a read on rank 0): the advice,
+    # and where each rank flushed.
+    with pytest.raises(RuntimeError, match=r"rank 0: fused graph 1f \(flushed for item at a.py:3\); "
+                                           r"rank 1: .*Call torchtpu.sync\(\) on every rank"):
+        agreement._check("a fused graph", ["fused graph 1f", "fused graph 2e"], [0, 1],
+                         ["flushed for item at a.py:3", "flushed for optimizer_step at a.py:9"])

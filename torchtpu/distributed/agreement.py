@@ -18,8 +18,25 @@ _BYTES = 512  # one message: "device id;extra;description", padded
 FUSED_GRAPH = "fused graph"  # how a fused graph's collectives' digest begins
 _FUSED_HINT = (
     " In fused mode every rank must flush a graph holding collectives at the same "
-    "point: a value read on some ranks only (`if rank == 0: print(loss.item())`) "
-    "flushes it there alone. Call torchtpu.sync() on every rank before such a read.")
+    "point: a value read on some ranks only (`if rank == 0: print(loss.item())`) that "
+    "depends on a pending collective flushes the graph there alone (one that does not "
+    "is computed on its own). Call torchtpu.sync() on every rank before such a read.")
+
+
+def graph_extra(whole, why):
+    """What a rank adds to a fused graph's description: the digest of its
+    whole graph and why and where it flushes it (for the message)."""
+    return f"{whole}|{why.replace(';', ',')}"
+
+
+def graph_whole(extra):
+    return extra.split("|", 1)[0]
+
+
+def _note(description, extra):
+    if description.startswith(FUSED_GRAPH) and "|" in extra:
+        return f"flushed for {extra.split('|', 1)[1]}"
+    return ""
 
 
 def _encode(device_id, extra, description):
@@ -36,11 +53,17 @@ def _decode(buf):
     return int(device_id), extra, description
 
 
-def _check(name, descriptions, ranks):
+def _check(name, descriptions, ranks, notes=None):
+    """RuntimeError on every rank unless all gave the same description;
+    notes: what each rank adds to the message (why it flushed its graph)."""
     if len(set(descriptions)) > 1:
-        said = "; ".join(f"rank {r}: {d}" for r, d in zip(ranks, descriptions))
-        hint = _FUSED_HINT if any(d.startswith(FUSED_GRAPH) for d in descriptions) and \
-            not all(d.startswith(FUSED_GRAPH) for d in descriptions) else ""
+        notes = notes or [""] * len(descriptions)
+        said = "; ".join(f"rank {r}: {d}{f' ({n})' if n else ''}"
+                         for r, d, n in zip(ranks, descriptions, notes))
+        fused = [d.startswith(FUSED_GRAPH) for d in descriptions]
+        # Graphs flushed at different points (a read on one rank) or a
+        # graph on some ranks against a collective on others.
+        hint = _FUSED_HINT if any(fused) and (not all(fused) or len(set(notes)) > 1) else ""
         raise RuntimeError(f"{name}: the ranks called it with different arguments ({said})."
                            + hint)
 
@@ -63,7 +86,8 @@ def exchange(gloo, name, device_id, description, extra=""):
     everyone = torch.empty(gloo.size() * _BYTES, dtype=torch.uint8)
     _swap(name, lambda: gloo._allgather_base(everyone, mine))
     decoded = [_decode(b) for b in everyone.view(-1, _BYTES)]
-    _check(name, [d for _, _, d in decoded], range(len(decoded)))
+    _check(name, [d for _, _, d in decoded], range(len(decoded)),
+           [_note(d, e) for _, e, d in decoded])
     return [(dev, ext) for dev, ext, _ in decoded]
 
 

@@ -24,15 +24,25 @@ offsets) run op by op on every rank instead, as programs that differ do
 not meet. One graph holds
 collectives over one set of devices: a collective over another set issues
 the pending graph first.
+
+An optimizer's step ends a training step on every rank alike, so once a
+collective was recorded the pending graph is issued there (no waiting):
+the next step's values,
+and a value read then on one rank only (`if rank == 0: print(loss.item())`),
+depend on no pending collective. A read before the step (after backward) is
+served by fused mode's side graph of the ops it depends on.
 """
 import collections
 import hashlib
 
 import jax
+import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import metrics, modes
+from ..modes import fused
 from ..dispatch.host import device_array
 from ..tensor import wrap
 from . import agreement, xla
@@ -161,11 +171,11 @@ class _MeshGraph:
         try:
             found = agreement.exchange(self.gloo, "a fused graph holding collectives", -1,
                                        f"{agreement.FUSED_GRAPH} {self.collectives}",
-                                       self.whole)
+                                       agreement.graph_extra(self.whole, _flushed_why()))
         except RuntimeError as e:
             _refused[0] = e
             raise
-        if len({whole for _, whole in found}) > 1:
+        if len({agreement.graph_whole(extra) for _, extra in found}) > 1:
             STATS.graphs_differ += 1
             raise GraphsDiffer("the ranks' graphs differ in their local ops")
         outs = self.jitted([self._whole(x) for x in donated], [self._whole(x) for x in kept],
@@ -174,10 +184,32 @@ class _MeshGraph:
         return [x.reshape(()) if z else x for x, z in zip(local, self.scalar_out)]
 
 
+def _flushed_why():
+    """Why and where this rank flushes the graph (for the message when the
+    ranks' graphs differ), kept short: the message has a fixed size."""
+    last = fused.STATS.last_flush or {}
+    site = str(last.get("site", "?"))
+    return f"{last.get('reason', '?')} at {site if len(site) <= 80 else '...' + site[-77:]}"
+
+
 RECORDED = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 _kernels = {}
 _last = [None, None]  # (id of the graph the last collective went into, its devices)
 _refused = [None]     # the error of the last graph the ranks disagreed on
+_step_hook = []       # the optimizer step hook, once registered
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    """Every rank steps its optimizer at the same point of a training step:
+    issue the pending graph there (registered once fused mode recorded a
+    collective). Also one that holds no collective: a rank that flushed its
+    step's collectives early for a read must start the next step where the
+    others do."""
+    if torch.compiler.is_compiling():
+        return
+    ex = modes.current()
+    if ex.name == "fused" and ex._graph.nodes:
+        ex.flush("optimizer_step")
 
 
 def settle():
@@ -211,6 +243,8 @@ def run(gloo, kind, device_ids, t, rooted=False, **params):
                                                   tuple(sorted(params.items())),
                                                   tuple(array.shape), array.dtype, index)
     _refused[0] = None
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_post_hook(_after_optimizer_step))
     if _last[0] == id(ex._graph) and _last[1] != device_ids and ex._graph.nodes:
         ex.flush("collective")  # a graph's collectives span one mesh
     outs, _ = ex.run(kernel, [storage.array], [storage])

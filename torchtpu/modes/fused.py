@@ -13,6 +13,15 @@ are never materialized.
 The graph key is one small tuple per recorded op (the kernel's identity and
 where its inputs come from), joined at the flush: nothing about shapes or
 values is hashed per op, and a repeated step hits the same compiled graph.
+
+A graph holding collectives (torchtpu.distributed) must run as the same
+program on every rank, at the same point. A value read while one is pending
+(on one rank only, as `if rank == 0: print(loss.item())`) is computed, when
+what it depends on holds no collective, by a side graph of just those ops
+(compiled and cached like any graph, local): the value goes to the read and
+the pending graph stays as it was. Its flush drops the ops no live value or
+collective needs (what one rank computed for a read it no longer holds), so
+the ranks' graphs stay alike.
 """
 import collections
 import os
@@ -53,6 +62,8 @@ class _Stats:
         self.fused_op_total = 0
         self.fused_fallbacks = 0
         self.donated_inputs = 0
+        self.side_reads = 0            # reads served by a side graph
+        self.side_graphs_compiled = 0
         self.last_flush = None
 
     def snapshot(self):
@@ -65,6 +76,8 @@ class _Stats:
             "flushes": dict(self.flushes),
             "fused_fallbacks": self.fused_fallbacks,
             "donated_inputs": self.donated_inputs,
+            "side_reads": self.side_reads,
+            "side_graphs_compiled": self.side_graphs_compiled,
         }
 
 
@@ -95,6 +108,7 @@ class _Graph:
         self.input_refs = {}  # id(array) -> ("a", its index in inputs)
         self.scalars = []     # dynamic scalars fed to the graph
         self.device = 0       # the index of the device all its ops run on
+        self.side_values = {}  # ref -> the value a side graph computed for a read
 
 
 class _GraphKey:
@@ -185,9 +199,55 @@ class FusedExecutor(StrictExecutor):
     def concrete(self, storage):
         reason = metrics.take_sync_reason("read")
         if type(storage.array) is Pending:
+            value = self._side_value(storage)
+            if value is not None:
+                return value
             self.flush(reason)
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
+
+    def _side_value(self, storage):
+        """The value of storage's pending array computed by a side graph of
+        the ops it depends on, leaving the pending graph as it was; None
+        (flush instead) unless the graph holds a collective and those ops
+        do not. So a read on some ranks only does not flush a graph that
+        every rank must run alike. An out-of-range index the value depends
+        on raises here, as at a flush."""
+        g = self._graph
+        ref = storage.array.ref
+        value = g.side_values.get(ref)
+        if value is not None:
+            STATS.side_reads += 1
+            return value
+        if _mesh_jit(g.nodes) is None:
+            return None
+        wanted = [ref]
+        flag = bounds.flag_input(False, g.device)
+        checked = type(flag.array) is Pending and _depends_on_checks(storage)
+        if checked:
+            wanted.append(flag.array.ref)
+        needed = _needed(g, wanted)
+        if any(_mesh_jit([g.nodes[i]]) is not None for i in needed):
+            return None  # it needs a collective: every rank must run the graph
+        sub, renamed = _subgraph(g, needed)
+        live_refs = tuple(renamed[r] for r in wanted)
+        key = _GraphKey(("side", tuple([(id(k), refs) for k, refs in sub.nodes]), live_refs))
+        entry = cache.lookup(key)
+        try:
+            if entry is None:
+                entry = cache.store(key, (_build_graph(sub, live_refs), [k for k, _ in sub.nodes]))
+                STATS.side_graphs_compiled += 1
+            values = entry[0](sub.inputs, sub.scalars)
+        except Exception:
+            return None  # the flush runs it, and its op-by-op recovery names the failing op
+        STATS.side_reads += 1
+        if checked and int(values[1][1]):
+            # An index out of range: raise it at this read (what depends on
+            # it is marked lost, as at a flush).
+            flag.assign(values[1])
+            bounds.check()
+        g.side_values[ref] = values[0]
+        return values[0]
 
     def sync(self):
         self.flush(metrics.take_sync_reason("sync"))
@@ -201,11 +261,17 @@ class FusedExecutor(StrictExecutor):
             return
         self._graph = _Graph()
         live = _live(g)
+        renamed = None
+        if _mesh_jit(g.nodes) is not None and not errors.FUSED_LINES and not errors.nan_checks_on():
+            # Every rank must run the same program: drop what one rank alone
+            # computed and no longer holds (a value it read). (Not with NaN
+            # checks on: their record of lines follows the recorded nodes.)
+            g, renamed = _without_dead_nodes(g, live)
         self._last = None  # the last graph's results: maybe this one's inputs, to donate
         donate = None if errors.nan_checks_on() else _donatable(g, live)
         if donate is not None:
             live = _donation_order(g, live, donate)
-        live_refs = tuple(p.ref for p, _ in live)
+        live_refs = tuple(p.ref if renamed is None else renamed[p.ref] for p, _ in live)
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
@@ -263,8 +329,8 @@ class FusedExecutor(StrictExecutor):
         try:
             return _replay(g.nodes, live_refs, g.inputs, g.scalars, _call_jitted, values)
         except Exception as e:
-            for p, owner in live:
-                value = values.get(p.ref[1:])
+            for (p, owner), ref in zip(live, live_refs):
+                value = values.get(ref[1:])
                 owner.array = value if value is not None else Lost(e, p.shape, p.dtype)
             raise
 
@@ -293,6 +359,75 @@ def _live(g):
         if owner is not None and owner.array is p:
             live.append((p, owner))
     return live
+
+
+def _depends_on_checks(storage):
+    """Whether storage's value depends on an index check not read yet."""
+    entry = bounds.tainted.get(id(storage))
+    return entry is not None and entry[0]() is storage and bool(entry[1])
+
+
+def _needed(g, refs, keep=()):
+    """The indices of g's nodes that computing refs (pending refs of g) and
+    the nodes in keep takes, in order."""
+    nodes = g.nodes
+    needed = set(keep)
+    stack = [r[1] for r in refs] + list(keep)
+    while stack:
+        ni = stack.pop()
+        needed.add(ni)
+        for r in nodes[ni][1]:
+            if r[0] == "p" and r[1] not in needed:
+                needed.add(r[1])
+                stack.append(r[1])
+    return sorted(needed)
+
+
+def _subgraph(g, needed):
+    """The graph of g's nodes at the indices in needed (in order, each taking
+    what it takes from the earlier ones), with its own inputs and scalars:
+    (that _Graph, {g's pending ref: the sub-graph's})."""
+    sub = _Graph()
+    sub.device = g.device
+    at = {}          # g's node index -> the sub-graph's
+    inputs = {}      # ("a", i) or ("s", i) in g -> the sub-graph's ref
+    renamed = {}
+    for ni in needed:
+        kernel, refs = g.nodes[ni]
+        new = []
+        for r in refs:
+            kind = r[0]
+            if kind == "p":
+                new.append(("p", at[r[1]], r[2]))
+                continue
+            mine = inputs.get(r)
+            if mine is None:
+                if kind == "a":
+                    mine = ("a", len(sub.inputs))
+                    sub.inputs.append(g.inputs[r[1]])
+                    sub.input_owners.append(g.input_owners[r[1]])
+                else:
+                    mine = ("s", len(sub.scalars))
+                    sub.scalars.append(g.scalars[r[1]])
+                inputs[r] = mine
+            new.append(mine)
+        at[ni] = len(sub.nodes)
+        sub.nodes.append((kernel, tuple(new)))
+    for p in g.outputs:
+        ni = p.ref[1]
+        if ni in at:
+            renamed[p.ref] = ("p", at[ni], p.ref[2])
+    return sub, renamed
+
+
+def _without_dead_nodes(g, live):
+    """g without the nodes that neither a live value nor a collective needs:
+    (g or that sub-graph, None or its renaming of g's refs)."""
+    collectives = [i for i, node in enumerate(g.nodes) if _mesh_jit([node]) is not None]
+    needed = _needed(g, [p.ref for p, _ in live], collectives)
+    if len(needed) == len(g.nodes):
+        return g, None
+    return _subgraph(g, needed)
 
 
 def _abstract(kernel, flat):
