@@ -248,6 +248,7 @@ def run(gloo, kind, device_ids, t, rooted=False, **params):
     if _last[0] == id(ex._graph) and _last[1] != device_ids and ex._graph.nodes:
         ex.flush("collective")  # a graph's collectives span one mesh
     outs, _ = ex.run(kernel, [storage.array], [storage])
+    ex._graph.collectives += 1  # (the graph that took it: ex.run may flush first)
     _last[:] = [id(ex._graph), device_ids]
     STATS.recorded[kind] += 1
     return wrap(outs[0], t.dtype, device=index)

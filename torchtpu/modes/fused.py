@@ -109,6 +109,7 @@ class _Graph:
         self.scalars = []     # dynamic scalars fed to the graph
         self.device = 0       # the index of the device all its ops run on
         self.side_values = {}  # ref -> the value a side graph computed for a read
+        self.collectives = 0   # collective nodes among them (distributed/in_graph.py counts)
 
 
 class _GraphKey:
@@ -219,7 +220,7 @@ class FusedExecutor(StrictExecutor):
         if value is not None:
             STATS.side_reads += 1
             return value
-        if _mesh_jit(g.nodes) is None:
+        if not g.collectives:
             return None
         wanted = [ref]
         flag = bounds.flag_input(False, g.device)
@@ -262,7 +263,7 @@ class FusedExecutor(StrictExecutor):
         self._graph = _Graph()
         live = _live(g)
         renamed = None
-        if _mesh_jit(g.nodes) is not None and not errors.FUSED_LINES and not errors.nan_checks_on():
+        if g.collectives and not errors.FUSED_LINES and not errors.nan_checks_on():
             # Every rank must run the same program: drop what one rank alone
             # computed and no longer holds (a value it read). (Not with NaN
             # checks on: their record of lines follows the recorded nodes.)
