@@ -1,4 +1,4 @@
-"""Comparisons, logical and bitwise ops and shifts, selection (where) and
+"""Comparisons (isin among them), logical and bitwise ops and shifts, selection (where) and
 clamping."""
 import jax.numpy as jnp
 import torch
@@ -16,6 +16,14 @@ aten = torch.ops.aten
 for _op, _fn in [(aten.eq, jnp.equal), (aten.ne, jnp.not_equal), (aten.lt, jnp.less),
                  (aten.le, jnp.less_equal), (aten.gt, jnp.greater), (aten.ge, jnp.greater_equal)]:
     lower(_op.Tensor, _op.Scalar)(_binary(_fn, KIND.ALWAYS_BOOL))
+
+
+@lower(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def isin(elements, test_elements, assume_unique=False, invert=False):
+    # One kernel: PyTorch's decomposition is several ops, and Hugging Face's
+    # logits processors and stopping criteria call isin at every token.
+    (elements, test_elements), _ = promote(elements, test_elements)
+    return jnp.isin(elements, test_elements, invert=invert)
 
 
 def _truth(x):
