@@ -55,7 +55,7 @@ WORKER = textwrap.dedent("""\
     # Rank 0 alone reads the loss, as CUDA scripts log it, with no sync:
     # before the optimizer's step on even steps (backward's all_reduces are
     # pending: a side graph of the forward computes it), after it on odd
-    # ones (the step issued the graph); other reads of the first step's
+    # ones (the step issued the graph); other reads of the third step's
     # values too. The ranks' graphs stay the same: none runs op by op.
     def train_logged(dev, group, steps):
         torch.manual_seed(0)
@@ -75,7 +75,7 @@ WORKER = textwrap.dedent("""\
                 losses.append(loss.item())
             elif rank == 0 and step % 2 == 0:
                 losses.append(loss.item())
-                if step == 0:
+                if step == 2:  # rank 0's `loss > 0` too: the ranks' graphs still alike
                     printed, values = repr(out), out.tolist()
                     report["other reads"] = [
                         printed.startswith(repr(torch.tensor(values))[:-1]), values,
@@ -119,6 +119,19 @@ WORKER = textwrap.dedent("""\
         "side reads": during["side_reads"] - before["side_reads"],
         "flushes": sum(during["flushes"].values()) - sum(before["flushes"].values()),
         "values": side + [r.tolist(), w.tolist(), c.tolist()]}
+    # An out-of-range index a side read's value depends on raises there.
+    c = torch.ones(3, device="tpu") * 1
+    dist.all_reduce(c)
+    before = metrics.snapshot()
+    try:
+        F.embedding(torch.tensor([5], device="tpu"), torch.ones(3, 2, device="tpu")).sum().item()
+        report["bad index"] = "no error"
+    except IndexError as e:
+        report["bad index"] = str(e)
+    during = metrics.snapshot()
+    report["bad index"] = [report["bad index"], c.tolist(),
+                           during["side_reads"] - before["side_reads"],
+                           sum(during["flushes"].values()) - sum(before["flushes"].values())]
 
     # Each collective in fused mode against gloo on CPU tensors: the call
     # flushes nothing (recorded, or for gather and scatter issued at once
@@ -313,6 +326,9 @@ def test_fused_ddp_loss_read_on_rank_0_only(reports):
         rand, written, rand_full, written_full, reduced = side["values"]
         assert rand == rand_full and written == [1.0] * 3, side
         assert written_full == [2.0] * 3 and reduced == [2.0] * 3, side
+        error, reduced, side_reads, flushes = r["bad index"]
+        assert "index 5 is out of bounds" in error and reduced == [2.0] * 3, r["bad index"]
+        assert (side_reads, flushes) == (1, 0), r["bad index"]  # raised by the side read
         assert "the ranks called it with different arguments" in r["reduced read"], r
         assert "flushed for item at" in r["reduced read"], r["reduced read"]
         assert "Call torchtpu.sync() on every rank" in r["reduced read"], r["reduced read"]
