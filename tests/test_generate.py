@@ -75,3 +75,24 @@ def test_sampling_is_reproducible_under_manual_seed_with_one_sync_a_token(mode):
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
     assert int(runs[0].min()) >= 0 and int(runs[0].max()) < 256
+
+
+@pytest.mark.parametrize("elements,test_elements", [
+    (torch.tensor([[5, 2, 7], [0, 3, 2]]), torch.tensor([2, 0])),   # the stopping criteria's ids
+    (torch.arange(256), torch.tensor([2])),                         # a logits processor's vocabulary
+    (torch.tensor([1.5, float("nan"), 3.0]), torch.tensor([float("nan"), 3])),  # NaN matches nothing
+    (torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([2.5, 3.0])),     # compared promoted
+    (torch.tensor([1, 2, 3]), 2),
+    (2, torch.tensor([1, 2])),
+])
+@pytest.mark.parametrize("invert", [False, True])
+def test_isin_as_generation_calls_it_is_one_kernel(elements, test_elements, invert):
+    # Hugging Face calls isin three times a token; its decomposition would be
+    # several kernels.
+    want = torch.isin(elements, test_elements, invert=invert)
+    on_tpu = [x.to("tpu") if isinstance(x, torch.Tensor) else x for x in (elements, test_elements)]
+    torchtpu.metrics.reset()
+    got = torch.isin(*on_tpu, invert=invert)
+    assert torchtpu.metrics.snapshot()["ops_dispatched"] == 1
+    assert got.device.type == "tpu" and got.dtype == want.dtype
+    assert torch.equal(got.cpu(), want)
