@@ -8,7 +8,10 @@ cache: a warm-up of 8 tokens from another prompt, then 48 and 256 new
 tokens. "first" is the first timed run of each length, compilation
 included; "warm" the median of 3 more, alternating with CPU eager's runs of
 the same model in the same process (CPU's figure is the median of 4).
-Compilations are the first run's.
+Compilations are the first run's. PyTorch runs with one thread, CPU eager's
+fastest for models this small: with its default two, its OpenMP threads
+cost about 14 ms a token whenever other work shares the 2 cores (1.1 ms
+with one).
 """
 import copy
 import json
@@ -41,6 +44,7 @@ def tiny_model(name):
 def _worker(model_name, cache, mode):
     import torch
     import torchtpu
+    torch.set_num_threads(1)  # CPU eager's best here (module docstring)
     model = tiny_model(model_name)
     prompt, warm = torch.randint(0, 256, (2, 6)), torch.randint(0, 256, (2, 6))
     kw = dict(do_sample=False, pad_token_id=0)
