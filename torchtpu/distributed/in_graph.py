@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import metrics, modes, runtime
+from .. import metrics, modes
 from ..modes import fused
 from ..dispatch.host import device_array
 from ..tensor import wrap
@@ -158,8 +158,7 @@ class _MeshGraph:
         mapped = jax.shard_map(body, mesh=self.sharding.mesh,
                                in_specs=(P(AXIS), P(AXIS), P()), out_specs=P(AXIS),
                                check_vma=False)
-        self.jitted = jax.jit(mapped, donate_argnums=donate_argnums,
-                              compiler_options=runtime.COMPILER_OPTIONS)
+        self.jitted = jax.jit(mapped, donate_argnums=donate_argnums)
         STATS.mesh_graphs += 1
 
     def _whole(self, x):
