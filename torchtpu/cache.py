@@ -162,13 +162,12 @@ def jit(fn, name=None, donate_argnums=(), device=0):
     computation may reuse for its results (the caller's are invalidated).
     device: the index of the device it runs on. Off device 0 its results are
     placed there (JAX would put a factory's on its default device, device 0)."""
-    from . import runtime
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
     if device:
-        return jax.jit(fn, donate_argnums=donate_argnums, out_shardings=runtime.SHARDINGS[device],
-                       compiler_options=runtime.COMPILER_OPTIONS)
-    return jax.jit(fn, donate_argnums=donate_argnums, compiler_options=runtime.COMPILER_OPTIONS)
+        from . import runtime
+        return jax.jit(fn, donate_argnums=donate_argnums, out_shardings=runtime.SHARDINGS[device])
+    return jax.jit(fn, donate_argnums=donate_argnums)
 
 
 # ---- stored executables and kernel records -------------------------------------
@@ -213,7 +212,6 @@ def _context(args, device):
         f"devices {devices}",
         f"matmul precision {jax.config.jax_default_matmul_precision} promotion "
         f"{jax.config.jax_numpy_dtype_promotion}",
-        f"compiler options {sorted(runtime.COMPILER_OPTIONS.items())}",
         *(f"{name}={os.environ.get(name, '')}" for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"))])
 
 

@@ -45,24 +45,6 @@ SHARDINGS = [jax.sharding.SingleDeviceSharding(d) for d in DEVICES]
 OWN_INDEX = bootstrap.own_device_index(len(DEVICES))
 
 
-def _compiler_options():
-    """XLA options for every computation torchtpu compiles. On the CPU
-    platform XLA's YNN fusions are off: each builds its pipeline at an
-    executable's first run (about 1 ms a fusion; 0.15 s of the small GPT
-    step's first run, cold and warm alike), and steady runs take the same
-    time without them (docs/performance.md, "Compilation cache"). The option
-    is XLA's experimental one, known to this jaxlib (0.10); other versions
-    keep XLA's default. TORCHTPU_XLA_CPU_YNN=1 keeps it too."""
-    import jaxlib
-    if (PLATFORM != "cpu" or os.environ.get("TORCHTPU_XLA_CPU_YNN") == "1"
-            or not jaxlib.__version__.startswith("0.10.")):
-        return {}
-    return {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
-COMPILER_OPTIONS = _compiler_options()
-
-
 def device(index=0):
     return DEVICES[index]
 
