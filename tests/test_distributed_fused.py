@@ -23,7 +23,8 @@ WORKER = textwrap.dedent("""\
     x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
     report = {"steps": []}
 
-    def train(dev, group, steps):
+    def setup(dev, group):
+        # The same model, DDP wrapper, optimizer and this rank's half batch each run.
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
                                     torch.nn.Linear(8, 2)).to(dev)
@@ -31,6 +32,10 @@ WORKER = textwrap.dedent("""\
                                                         bucket_cap_mb=0.0001)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         xs, ys = x[4 * rank:4 * rank + 4].to(dev), y[4 * rank:4 * rank + 4].to(dev)
+        return model, ddp, opt, xs, ys
+
+    def train(dev, group, steps):
+        model, ddp, opt, xs, ys = setup(dev, group)
         for _ in range(steps):
             before = metrics.snapshot()
             F.mse_loss(ddp(xs), ys).backward()
@@ -58,13 +63,7 @@ WORKER = textwrap.dedent("""\
     # ones (the step issued the graph); other reads of the third step's
     # values too. The ranks' graphs stay the same: none runs op by op.
     def train_logged(dev, group, steps):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
-                                    torch.nn.Linear(8, 2)).to(dev)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
-                                                        bucket_cap_mb=0.0001)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        xs, ys = x[4 * rank:4 * rank + 4].to(dev), y[4 * rank:4 * rank + 4].to(dev)
+        model, ddp, opt, xs, ys = setup(dev, group)
         losses, steps_seen = [], []
         for step in range(steps):
             before = metrics.snapshot()
