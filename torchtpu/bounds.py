@@ -179,6 +179,11 @@ def _deps(storages):
     return deps
 
 
+def depends_on_unread(storage):
+    """Whether storage's value depends on an index check not read yet."""
+    return bool(_deps((storage,)))
+
+
 def note(bound, func, flag, inputs, produced, frame, device=0):
     """A checked op ran (or was recorded) on tpu:device, called from `frame`:
     `flag` merges its check into that device's running one; what it produced

@@ -224,11 +224,11 @@ class FusedExecutor(StrictExecutor):
             return None
         wanted = [ref]
         flag = bounds.flag_input(False, g.device)
-        checked = type(flag.array) is Pending and _depends_on_checks(storage)
+        checked = type(flag.array) is Pending and bounds.depends_on_unread(storage)
         if checked:
             wanted.append(flag.array.ref)
         needed = _needed(g, wanted)
-        if any(_mesh_jit([g.nodes[i]]) is not None for i in needed):
+        if _mesh_jit([g.nodes[i] for i in needed]) is not None:
             return None  # it needs a collective: every rank must run the graph
         sub, renamed = _subgraph(g, needed)
         live_refs = tuple(renamed[r] for r in wanted)
@@ -360,12 +360,6 @@ def _live(g):
         if owner is not None and owner.array is p:
             live.append((p, owner))
     return live
-
-
-def _depends_on_checks(storage):
-    """Whether storage's value depends on an index check not read yet."""
-    entry = bounds.tainted.get(id(storage))
-    return entry is not None and entry[0]() is storage and bool(entry[1])
 
 
 def _needed(g, refs, keep=()):

@@ -1,5 +1,5 @@
-"""Comparisons (isin among them), logical and bitwise ops and shifts, selection (where) and
-clamping."""
+"""Comparisons (isin among them), logical and bitwise ops and shifts,
+selection (where) and clamping."""
 import jax.numpy as jnp
 import torch
 from jax import lax
