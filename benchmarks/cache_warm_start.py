@@ -14,9 +14,12 @@ optimizer's constructor imports it, on CPU too) and `torch.distributed.tensor`
 (PyTorch's C++ imports it at the first dispatch to any `__torch_dispatch__`
 subclass, to ask whether it is a DTensor). Those two are timed as their own
 column; "after import torch, jax" includes them, as the earlier tables did.
-torchtpu's bytecode is compiled first, as an install leaves it.
+torchtpu's bytecode is compiled first, as an install leaves it. The time
+Python's garbage collector takes in that window is counted too (a full
+collection walks every object the imports left, about 0.2 s here).
 
     python benchmarks/cache_warm_start.py [--repeats 3] [--modes strict fused]
+    python benchmarks/cache_warm_start.py --gc-freeze  # gc.freeze() after the imports
     python benchmarks/cache_warm_start.py --profile fused   # where a warm start goes
 
 `cache_warm_start()` returns rows for benchmarks/run.py (title and columns
@@ -24,6 +27,7 @@ attached like its other benchmarks).
 """
 import argparse
 import collections
+import gc
 import json
 import os
 import shutil
@@ -37,7 +41,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _child(profile_to=None):
+def _gc_timer():
+    """Seconds spent in Python's garbage collector from now on, and the
+    number of full collections, as a callable returning both."""
+    spent = {"seconds": 0.0, "full": 0, "started": None}
+
+    def callback(phase, info):
+        if phase == "start":
+            spent["started"] = time.perf_counter()
+        elif spent["started"] is not None:
+            spent["seconds"] += time.perf_counter() - spent["started"]
+            spent["full"] += info["generation"] == 2
+    gc.callbacks.append(callback)
+    return lambda: (spent["seconds"], spent["full"])
+
+
+def _child(profile_to=None, freeze_gc=False):
     """One process: import, build, one training step, report."""
     sys.path.insert(0, ROOT)
     sys.path.insert(0, HERE)
@@ -47,6 +66,9 @@ def _child(profile_to=None):
     import torch._dynamo  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
     lazy_imported = time.time()
+    if freeze_gc:  # the recipe: what the imports left is not walked again
+        gc.freeze()
+    gc_spent = _gc_timer()
     profiler = None
     if profile_to:
         import cProfile
@@ -69,22 +91,26 @@ def _child(profile_to=None):
     opt.step()
     value = loss.item()
     done = time.time()
+    gc_seconds, gc_full = gc_spent()
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(profile_to)
     snap = torchtpu.metrics.snapshot()
     print("RESULT " + json.dumps({
         "libs_imported": libs_imported, "lazy_imported": lazy_imported, "imported": imported, "done": done, "loss": value,
+        "gc_seconds": gc_seconds, "gc_full": gc_full,
         "stats": torchtpu.cache.stats(),
         "fallbacks": snap["cpu_fallbacks"],
         "graphs_compiled": snap.get("graphs_compiled", 0),
     }), flush=True)
 
 
-def _run_once(mode, cache_dir, profile_to=None):
+def _run_once(mode, cache_dir, profile_to=None, freeze_gc=False):
     env = dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir, TORCHTPU_EAGER_MODE=mode)
     env.pop("TORCHTPU_CACHE_READONLY", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child"]
+    if freeze_gc:
+        cmd.append("--gc-freeze")
     if profile_to:
         cmd += ["--profile-to", profile_to]
     start = time.time()
@@ -111,23 +137,24 @@ def _compile_bytecode():
         compileall.compile_dir(d, quiet=1)
 
 
-def cache_warm_start(repeats=3, modes=("strict", "fused")):
+def cache_warm_start(repeats=3, modes=("strict", "fused"), freeze_gc=False):
     """Rows: per mode and cache state, median seconds from process start to
     the first finished step, of it importing torch and JAX, PyTorch's lazy
     imports, and what torchtpu does after them (warm over cold on this), with
     the compilations and disk hits of the last run. Cold and warm runs
-    alternate, so both see the same load."""
+    alternate, so both see the same load. freeze_gc: each run calls
+    gc.freeze() once its imports are done."""
     _compile_bytecode()
     rows = []
     for mode in modes:
         work = tempfile.mkdtemp(prefix="torchtpu-bench-cache-")
         try:
             filled = os.path.join(work, "filled")
-            _run_once(mode, filled)  # the warm runs read this cache
+            _run_once(mode, filled, freeze_gc=freeze_gc)  # the warm runs read this cache
             cold, warm = [], []
             for i in range(repeats):
-                cold.append(_run_once(mode, os.path.join(work, f"cold{i}")))
-                warm.append(_run_once(mode, filled))
+                cold.append(_run_once(mode, os.path.join(work, f"cold{i}"), freeze_gc=freeze_gc))
+                warm.append(_run_once(mode, filled, freeze_gc=freeze_gc))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         cold_after = statistics.median(r["after"] for r in cold)
@@ -150,6 +177,8 @@ def cache_warm_start(repeats=3, modes=("strict", "fused")):
                 "after_of_cold": after / cold_after,
                 "total_of_cold": total / cold_total,
                 "compile": statistics.median(r["stats"]["compile_seconds"] for r in runs),
+                "gc": statistics.median(r["gc_seconds"] for r in runs),
+                "gc_full": last["gc_full"],
                 "compilations": last["stats"]["compilations"],
                 "disk_hits": last["stats"]["disk_hits"],
                 "fallbacks": sum(last["fallbacks"].values()),
@@ -173,7 +202,9 @@ cache_warm_start.columns = [
     ("lazy", "of it PyTorch's lazy imports", "{:.2f}"),
     ("after", "s torchtpu", "{:.2f}"), ("after_of_cold", "torchtpu, vs cold", "{:.0%}"),
     ("torchtpu_import", "of it import torchtpu", "{:.2f}"),
-    ("compile", "s compiling", "{:.2f}"), ("compilations", "compilations", "{}"),
+    ("compile", "s compiling", "{:.2f}"),
+    ("gc", "s in Python's gc", "{:.2f}"), ("gc_full", "full collections", "{}"),
+    ("compilations", "compilations", "{}"),
     ("disk_hits", "disk hits", "{}"), ("fallbacks", "CPU fallbacks", "{}"),
 ]
 
@@ -251,10 +282,12 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["strict", "fused"])
     p.add_argument("--profile", metavar="MODE", help="profile a warm run in MODE instead")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="each run calls gc.freeze() once its imports are done")
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = p.parse_args(argv)
     if args.child:
-        _child(args.profile_to)
+        _child(args.profile_to, args.gc_freeze)
         return
     from common import table
     if args.profile:
@@ -270,7 +303,7 @@ def main(argv=None):
         for group, seconds in by_group:
             print(f"  {seconds:6.2f} s  {group}")
         return
-    rows = cache_warm_start(args.repeats, tuple(args.modes))
+    rows = cache_warm_start(args.repeats, tuple(args.modes), args.gc_freeze)
     print(f"\n{cache_warm_start.title}\n\n{table(cache_warm_start, rows)}\n")
     for r in rows:
         if r["fallbacks"]:
