@@ -69,6 +69,10 @@ WORKER = textwrap.dedent("""\
             before = metrics.snapshot()
             out = ddp(xs)
             loss = F.mse_loss(out, ys)
+            if dev == "tpu" and rank == 0 and step == 0:
+                # Before backward, in the step after DDP's constructor broadcast
+                # the parameters (that broadcast issued its graph).
+                report["first loss before backward"] = loss.item()
             loss.backward()
             if dev == "cpu":
                 losses.append(loss.item())
@@ -291,7 +295,12 @@ def test_fused_ddp_step_is_one_graph_with_its_collectives(reports):
                 # a flush of their inputs; what they write is issued too.
                 assert c["recorded"] == 0 and c["issued"] == 1, (name, c)
                 continue
-            assert c["flushes in the call"] == 0 and c["flushes to read"] == 1, (name, c)
+            # A broadcast issues the graph it went into (what it hands out,
+            # any rank may then read alone): the functional ones' flush
+            # there, before their all_to_all.
+            issues = name in ("broadcast", "functional")
+            assert c["flushes in the call"] == issues, (name, c)
+            assert c["flushes to read"] == (name != "broadcast"), (name, c)
             assert c["recorded"] == (5 if name == "functional" else 1), (name, c)
             assert c["issued"] == 0, (name, c)
             # Uneven splits that differ between the ranks pad differently:
@@ -310,10 +319,14 @@ def test_fused_ddp_loss_read_on_rank_0_only(reports):
         for step in steps[2:]:
             assert step["flushes"] == {"optimizer_step": 1}, steps
         assert [s["graphs_compiled"] for s in steps[3:]] == [0, 0, 0], steps
-        # But the first: its graph holds DDP's broadcast of the parameters,
-        # which the loss depends on, so rank 0's read flushes it there alone,
-        # and both ranks run that graph op by op (correct values), once.
+        # But the first: DDP's constructor broadcast the parameters and
+        # issued that graph, so rank 0 reads the loss before backward (no
+        # collective pending: it flushes its forward alone), and that step's
+        # graphs, alike in collectives but not in local ops, run op by op
+        # on both ranks (correct values), once.
         assert [s["mesh_graphs_run_op_by_op"] for s in steps] == [1, 0, 0, 0, 0, 0], steps
+        # DDP's bucket rebuild after the first step broadcasts their layout.
+        assert steps[1]["flushes"] == {"broadcast": 2, "optimizer_step": 1}, steps
         assert all(s["collectives_issued"] == 0 for s in steps[1:]), steps
         # Side graphs on rank 0 alone, at the reads before the step (the
         # forward's, compiled at the first of them and reused after).
@@ -331,8 +344,10 @@ def test_fused_ddp_loss_read_on_rank_0_only(reports):
         assert "the ranks called it with different arguments" in r["reduced read"], r
         assert "flushed for item at" in r["reduced read"], r["reduced read"]
         assert "Call torchtpu.sync() on every rank" in r["reduced read"], r["reduced read"]
-    # Rank 0's losses, read before and after the step, are gloo's on CPU.
+    # Rank 0's losses, read before and after the step, are gloo's on CPU
+    # (the first also before backward).
     losses, want = reports[0]["logged losses"]
+    assert reports[0]["first loss before backward"] == pytest.approx(want[0], rel=1e-5, abs=1e-6)
     assert torch.allclose(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6), \
         (losses, want)
     printed, values, positive, item = reports[0]["other reads"]

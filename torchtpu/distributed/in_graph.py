@@ -13,7 +13,11 @@ Every rank must record the same graph, so the collectives recorded are
 those where every rank gives and takes alike: all_reduce, all_gather,
 reduce_scatter, all_to_all, and broadcast and reduce, where every rank
 writes the result (broadcast's root gets its own bits back, reduce's
-others their own values; process_group.py). gather, scatter and send/recv
+others their own values; process_group.py). A broadcast also issues the
+pending graph once it has written its tensors (`settle("broadcast")`):
+what it hands out, DDP's parameters in its constructor above all, is
+then no pending collective's result, and one rank may read what depends
+on it (the first step's loss) on its own. gather, scatter and send/recv
 run at once, their inputs computed first, and what they write is issued
 (`settle`): only some ranks hold their lists or take part, so the ranks'
 graphs around them would differ. Before each run of a graph holding
@@ -212,13 +216,16 @@ def _after_optimizer_step(optimizer, args, kwargs):
         ex.flush("optimizer_step")
 
 
-def settle():
-    """After a collective run at once, in fused mode: issue what it wrote, so
+def settle(reason="collective"):
+    """In fused mode, after a collective run at once: issue what it wrote, so
     that every rank (root or not, writer or not) goes on from an empty graph
-    and the graphs they record next are the same."""
+    and the graphs they record next are the same. After a broadcast too
+    (reason "broadcast"): it hands out one rank's state (DDP's parameters
+    in its constructor, its buffers before a forward), which any rank may
+    then read on its own."""
     ex = modes.current()
     if ex.name == "fused":
-        ex.flush("collective")
+        ex.flush(reason)
 
 
 def run(gloo, kind, device_ids, t, rooted=False, **params):

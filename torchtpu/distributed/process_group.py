@@ -212,6 +212,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         for t in tensors:
             # root too gets its own bits back: the ranks' graphs are the same.
             _write(t, self._run("broadcast", devices, t, root=root))
+        in_graph.settle("broadcast")
         return host.done(tensors)
 
     def _check_list(self, name, tensors, like):
