@@ -115,6 +115,31 @@ def test_memory_summary_info_and_device_checks():
         torch.tpu.memory_stats("cpu")
 
 
+def test_torch_accelerator_memory_functions_answer_for_tpu():
+    """Device-generic scripts (and Accelerate's Trainer, which calls
+    torch.accelerator.empty_cache) ask torch.accelerator, not torch.tpu."""
+    acc = torch.accelerator
+    assert acc.current_accelerator() == torch.device("tpu")
+    keep = torch.ones(1 << 16, device="tpu")
+    acc.empty_cache()
+    acc.memory.empty_cache()
+    allocated = torch.tpu.memory_allocated()
+    assert allocated >= keep.nbytes
+    assert acc.memory_allocated() == acc.memory_allocated(0) == allocated
+    assert acc.memory_allocated(torch.device("tpu", 0)) == allocated
+    assert acc.memory_reserved() == torch.tpu.memory_reserved()
+    assert acc.memory_stats()["allocated_bytes.all.current"] == allocated
+    acc.reset_peak_memory_stats()
+    acc.reset_accumulated_memory_stats()
+    assert acc.max_memory_allocated() == allocated
+    assert acc.max_memory_reserved() == torch.tpu.max_memory_reserved()
+    assert acc.get_memory_info() == torch.tpu.mem_get_info()
+    missing = torch.tpu.device_count()
+    with pytest.raises(RuntimeError, match=f"tpu:{missing} is not available"):
+        acc.memory_allocated(missing)
+    del keep
+
+
 # ---- streams ---------------------------------------------------------------
 
 def test_streams_api():

@@ -175,10 +175,38 @@ def _accelerator_current_device():
     acc.device_index = properties.device
 
 
+# torch.accelerator's memory functions and torch.tpu's answering them.
+_ACCELERATOR_MEMORY = {name: name for name in (
+    "empty_cache", "memory_stats", "memory_allocated", "max_memory_allocated",
+    "memory_reserved", "max_memory_reserved", "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats")} | {"get_memory_info": "mem_get_info"}
+
+
+def _accelerator_memory():
+    """torch.accelerator's memory functions ask the C++ caching allocator,
+    which a Python backend has none of (torch 2.13 fails an internal assert,
+    and Accelerate's Trainer calls empty_cache through them): while tpu is
+    the current accelerator, torch.tpu's answer them."""
+    for module in (torch.accelerator, torch.accelerator.memory):
+        for name, ours in _ACCELERATOR_MEMORY.items():
+            theirs = getattr(module, name, None)
+            if theirs is not None and not getattr(theirs, "_torchtpu", False):
+                setattr(module, name, _on_tpu(getattr(memory, ours), theirs))
+
+
+def _on_tpu(ours, theirs):
+    def routed(*args):
+        acc = torch.accelerator.current_accelerator()
+        return (ours if acc is not None and acc.type == "tpu" else theirs)(*args)
+    routed.__name__, routed.__doc__, routed._torchtpu = theirs.__name__, ours.__doc__, True
+    return routed
+
+
 def register_device():
     """Name PrivateUse1 'tpu' and install torch.tpu (before any tensor exists)."""
     _setup_privateuseone_for_python_backend("tpu", _module(), _Hooks(), _Guard())
     _accelerator_current_device()
+    _accelerator_memory()
     streams.install()
 
 
