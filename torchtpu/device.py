@@ -187,18 +187,19 @@ def _accelerator_memory():
     which a Python backend has none of (torch 2.13 fails an internal assert,
     and Accelerate's Trainer calls empty_cache through them): while tpu is
     the current accelerator, torch.tpu's answer them."""
-    for module in (torch.accelerator, torch.accelerator.memory):
-        for name, ours in _ACCELERATOR_MEMORY.items():
-            theirs = getattr(module, name, None)
-            if theirs is not None and not getattr(theirs, "_torchtpu", False):
-                setattr(module, name, _on_tpu(getattr(memory, ours), theirs))
+    for name, ours in _ACCELERATOR_MEMORY.items():
+        theirs = getattr(torch.accelerator.memory, name, None)
+        if theirs is not None:  # (torch.accelerator re-exports the same functions)
+            routed = _on_tpu(getattr(memory, ours), theirs)
+            setattr(torch.accelerator.memory, name, routed)
+            setattr(torch.accelerator, name, routed)
 
 
 def _on_tpu(ours, theirs):
     def routed(*args):
         acc = torch.accelerator.current_accelerator()
         return (ours if acc is not None and acc.type == "tpu" else theirs)(*args)
-    routed.__name__, routed.__doc__, routed._torchtpu = theirs.__name__, ours.__doc__, True
+    routed.__name__, routed.__doc__ = theirs.__name__, ours.__doc__
     return routed
 
 
