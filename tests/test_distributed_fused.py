@@ -296,11 +296,12 @@ def test_fused_ddp_step_is_one_graph_with_its_collectives(reports):
                 assert c["recorded"] == 0 and c["issued"] == 1, (name, c)
                 continue
             # A broadcast issues the graph it went into (what it hands out,
-            # any rank may then read alone): the functional ones' flush
-            # there, before their all_to_all.
-            issues = name in ("broadcast", "functional")
-            assert c["flushes in the call"] == issues, (name, c)
-            assert c["flushes to read"] == (name != "broadcast"), (name, c)
+            # any rank may then read alone), and so does a reduce (its root
+            # reads it alone): the functional ones' flush at their
+            # broadcast, before their all_to_all.
+            settles = name in ("broadcast", "reduce", "reduce bool")
+            assert c["flushes in the call"] == (settles or name == "functional"), (name, c)
+            assert c["flushes to read"] == (not settles), (name, c)
             assert c["recorded"] == (5 if name == "functional" else 1), (name, c)
             assert c["issued"] == 0, (name, c)
             # Uneven splits that differ between the ranks pad differently:

@@ -330,6 +330,178 @@ def test_collectives_on_xla_match_gloo_across_two_processes(results):
         assert r["checked"] == 128, r["checked"]
 
 
+# Four ranks: collectives whose ordering two ranks cannot show (which rank's
+# part lands where, roots other than 0 and 1, rings, groups of some ranks),
+# in each eager mode against gloo on CPU tensors.
+WORKER_4 = textwrap.dedent("""\
+    import datetime, json, sys
+    import torch, torch.distributed as dist
+    import torchtpu
+    out = sys.argv[1]
+    device = torch.device("tpu", torch.tpu.current_device())
+    dist.init_process_group(dist.get_default_backend_for_device(device), device_id=device,
+                            timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    # The same pairs of ranks as groups of each backend (every rank makes every group).
+    pairs = {b: [dist.new_group(p, backend=b) for p in ([0, 2], [1, 3])] for b in (None, "gloo")}
+    R = dist.ReduceOp
+    result = {"failures": [], "checked": 0}
+
+    def data(dtype, dev, n=4):
+        v = torch.tensor([rank + 1, -(2 * rank + 1), 3 * rank, 5 - rank, 7, rank * rank][:n])
+        return (v * 1.25 if dtype.is_floating_point else v).to(dtype).to(dev)
+
+    CASES = []
+    def case(fn):
+        CASES.append(fn)
+        return fn
+
+    for op, dtype in [(R.SUM, torch.float32), (R.AVG, torch.float32), (R.PRODUCT, torch.int64),
+                      (R.MIN, torch.float32), (R.MAX, torch.int64), (R.BAND, torch.int64),
+                      (R.BOR, torch.int32), (R.BXOR, torch.int64)]:
+        @case
+        def all_reduce(dev, group, op=op, dtype=dtype):
+            t = data(dtype, dev)
+            dist.all_reduce(t, op, group=group)
+            return [t]
+
+    @case
+    def broadcast_from_rank_2(dev, group):
+        t = data(torch.float32, dev)
+        dist.broadcast(t, src=2, group=group)
+        return [t]
+
+    @case
+    def all_gather(dev, group):
+        parts = [torch.empty(2, 2, device=dev) for _ in range(world)]
+        dist.all_gather(parts, data(torch.float32, dev).reshape(2, 2), group=group)
+        return parts
+
+    @case
+    def all_gather_into_tensor(dev, group):
+        t = torch.empty(4 * world, dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(t, data(torch.int64, dev), group=group)
+        return [t]
+
+    for op in (R.SUM, R.MAX):
+        @case
+        def reduce_scatter_tensor(dev, group, op=op):
+            t = torch.empty(2, device=dev)
+            dist.reduce_scatter_tensor(t, torch.arange(8.0, device=dev) * (rank + 1) - rank,
+                                       op, group=group)
+            return [t]
+
+    @case
+    def reduce_scatter_list(dev, group):
+        t = torch.empty(3, dtype=torch.int64, device=dev)
+        ins = [torch.arange(3, device=dev) * (i + 1) + 10 * rank for i in range(world)]
+        dist.reduce_scatter(t, ins, group=group)
+        return [t]
+
+    @case
+    def all_to_all_single_even(dev, group):
+        t = torch.empty(8, 2, device=dev)
+        dist.all_to_all_single(t, torch.arange(16.0, device=dev).reshape(8, 2) + 100 * rank,
+                               group=group)
+        return [t]
+
+    @case
+    def all_to_all_single_uneven(dev, group):
+        # rank r sends (r + j) % 3 + 1 rows to rank j.
+        ins = [(rank + j) % 3 + 1 for j in range(world)]
+        outs = [(j + rank) % 3 + 1 for j in range(world)]
+        t = torch.empty(sum(outs), 2, device=dev)
+        src = torch.arange(2.0 * sum(ins), device=dev).reshape(-1, 2) + 100 * rank
+        dist.all_to_all_single(t, src, outs, ins, group=group)
+        return [t]
+
+    @case
+    def all_to_all(dev, group):
+        outs = [torch.empty(2, dtype=torch.int32, device=dev) for _ in range(world)]
+        ins = [torch.tensor([10 * rank + i, -i], dtype=torch.int32, device=dev)
+               for i in range(world)]
+        dist.all_to_all(outs, ins, group=group)
+        return outs
+
+    @case
+    def reduce_to_rank_3(dev, group):
+        t = data(torch.float32, dev)
+        dist.reduce(t, dst=3, op=R.SUM, group=group)
+        return [t] if rank == 3 else []  # (what the others hold after it is unspecified)
+
+    @case
+    def gather_to_rank_2(dev, group):
+        parts = [torch.empty(4, device=dev) for _ in range(world)] if rank == 2 else None
+        dist.gather(data(torch.float32, dev), parts, dst=2, group=group)
+        return parts or []
+
+    @case
+    def scatter_from_rank_3(dev, group):
+        t = torch.empty(3, dtype=torch.int64, device=dev)
+        parts = [torch.arange(3, device=dev) + 10 * i for i in range(world)]
+        dist.scatter(t, parts if rank == 3 else None, src=3, group=group)
+        return [t]
+
+    @case
+    def ring_of_sends(dev, group):
+        # Each rank sends to the next and receives from the one before.
+        got = torch.zeros(4, device=dev)
+        ops = [dist.P2POp(dist.isend, data(torch.float32, dev), (rank + 1) % world, group),
+               dist.P2POp(dist.irecv, got, (rank - 1) % world, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return [got]
+
+    @case
+    def send_recv_3_to_1(dev, group):
+        t = data(torch.float32, dev) if rank == 3 else torch.zeros(4, device=dev)
+        if rank == 3:
+            dist.send(t, dst=1, group=group)
+        elif rank == 1:
+            dist.recv(t, src=3, group=group)
+        return [t]
+
+    @case
+    def pair_groups(dev, group):
+        # all_reduce within [0, 2] and [1, 3], then broadcast from each pair's
+        # higher rank (global ranks 2 and 3).
+        mine = pairs[None if group is None else "gloo"][rank % 2]
+        t = data(torch.float32, dev)
+        dist.all_reduce(t, group=mine)
+        u = data(torch.int64, dev)
+        dist.broadcast(u, src=2 + rank % 2, group=mine)
+        return [t, u]
+
+    def run(dev, group):
+        got = []
+        for fn in CASES:
+            got.append([t.cpu() for t in fn(dev, group)])
+        return got
+
+    want = run("cpu", gloo)
+    for mode in ("strict", "fused", "debug"):
+        torchtpu.set_eager_mode(mode)
+        got = run("tpu", None)
+        torchtpu.sync()
+        for fn, g, w in zip(CASES, got, want, strict=True):
+            result["checked"] += 1
+            if len(g) != len(w) or any(a.dtype != b.dtype or not torch.equal(a, b)
+                                       for a, b in zip(g, w)):
+                result["failures"].append(f"{mode} {fn.__name__}: tpu {g} gloo {w}")
+    torchtpu.set_eager_mode("strict")
+    result["cases"] = len(CASES)
+    dist.destroy_process_group()
+    json.dump(result, open(out, "w"))
+""")
+
+
+def test_collectives_on_xla_match_gloo_across_four_processes(tmp_path):
+    for r in run_ranks(tmp_path, WORKER_4, 4):
+        assert r["failures"] == [], "\n".join(r["failures"])
+        assert r["cases"] == 23 and r["checked"] == 3 * 23, r
+
+
 
 def _torchrun_env(monkeypatch, **env):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHTPU_DISTRIBUTED",

@@ -159,6 +159,10 @@ class TpuProcessGroup(dist.ProcessGroup):
         # back), so that the ranks' fused graphs are the same.
         for t, result in zip(tensors, self.reduced(name, tensors, opts, root)):
             host.assign(t, result)
+        if root is not None:
+            # What a reduce hands its root is read there alone
+            # (`if rank == 0: print(t)`): issue it, as a broadcast does.
+            in_graph.settle("reduce")
         return host.done(tensors)
 
     # The XLA paths' results as new tensors, which the functional
