@@ -231,19 +231,28 @@ WORKER = textwrap.dedent("""\
     t = t * 2 if rank == 0 else t
     dist.all_reduce(t)
     report["local ops differ"] = t.cpu().tolist()
-    # A value that depends on a pending collective, read on rank 0 alone:
-    # rank 0 flushes the graph at the read, rank 1 at its optimizer step
-    # with backward's all_reduces in it too: both raise, saying why.
+    # An all_reduced loss (one element) issues the graph at the all_reduce on
+    # every rank, so rank 0 reads it alone. A value that depends on a
+    # pending collective of more elements, read on rank 0 alone: rank 0
+    # flushes the graph at the read, rank 1 at its optimizer step with
+    # backward's all_reduces in it too: both raise, saying why.
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2).to("tpu")
+    model = torch.nn.Linear(4, 2)
+    report["reduced loss want"] = 2 * model(x[:4]).sum().item()  # (each rank has x[:4])
+    model.to("tpu")
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     try:
-        loss = ddp(x[:4].to("tpu")).sum()
+        out = ddp(x[:4].to("tpu"))
+        loss = out.sum()
         total = loss.detach().clone()
         dist.all_reduce(total)
         if rank == 0:
-            total.item()
+            report["reduced loss"] = total.item()
+        per_output = out.detach().sum(0)
+        dist.all_reduce(per_output)
+        if rank == 0:
+            per_output[0].item()
         loss.backward()
         opt.step()
         report["reduced read"] = "no error"
@@ -342,6 +351,8 @@ def test_fused_ddp_loss_read_on_rank_0_only(reports):
         error, reduced, side_reads, flushes = r["bad index"]
         assert "index 5 is out of bounds" in error and reduced == [2.0] * 3, r["bad index"]
         assert (side_reads, flushes) == (1, 0), r["bad index"]  # raised by the side read
+        if r is reports[0]:
+            assert r["reduced loss"] == pytest.approx(r["reduced loss want"], rel=1e-5), r
         assert "the ranks called it with different arguments" in r["reduced read"], r
         assert "flushed for item at" in r["reduced read"], r["reduced read"]
         assert "Call torchtpu.sync() on every rank" in r["reduced read"], r["reduced read"]

@@ -17,8 +17,9 @@ others their own values; process_group.py). A broadcast also issues the
 pending graph once it has written its tensors (`settle("broadcast")`):
 what it hands out, DDP's parameters in its constructor above all, is
 then no pending collective's result, and one rank may read what depends
-on it (the first step's loss) on its own. So does a reduce, whose root
-reads its result alone. gather, scatter and send/recv
+on it (the first step's loss) on its own. So do a reduce, whose root
+reads its result alone, and a one-element all_reduce (a loss summed for
+logging, read on rank 0). gather, scatter and send/recv
 run at once, their inputs computed first, and what they write is issued
 (`settle`): only some ranks hold their lists or take part, so the ranks'
 graphs around them would differ. Before each run of a graph holding

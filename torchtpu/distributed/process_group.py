@@ -159,10 +159,11 @@ class TpuProcessGroup(dist.ProcessGroup):
         # back), so that the ranks' fused graphs are the same.
         for t, result in zip(tensors, self.reduced(name, tensors, opts, root)):
             host.assign(t, result)
-        if root is not None:
-            # What a reduce hands its root is read there alone
+        if root is not None or all(t.numel() == 1 for t in tensors):
+            # What a reduce hands its root, and a one-element all_reduce
+            # (a loss or a count, for logging), is read on one rank alone
             # (`if rank == 0: print(t)`): issue it, as a broadcast does.
-            in_graph.settle("reduce")
+            in_graph.settle(name)
         return host.done(tensors)
 
     # The XLA paths' results as new tensors, which the functional
