@@ -196,12 +196,13 @@ def test_stream_synchronize_waits_for_work(mode):
 # ---- events ------------------------------------------------------------------
 
 def _timed(make_event, n_matmuls):
-    a = torch.randn(256, 256, device="tpu")
+    # Scaled so that a's powers stay near 1 (no underflow to zero).
+    a = torch.randn(512, 512, device="tpu") / 512 ** 0.5
     start, end = make_event(), make_event()
     start.record()
     b = a
     for _ in range(n_matmuls):
-        b = b @ a / 256
+        b = b @ a
     end.record()
     end.synchronize()
     assert start.query() and end.query()
@@ -215,12 +216,18 @@ def _timed(make_event, n_matmuls):
 def test_event_times_device_work(make_event):
     for mode in ("strict", "fused"):
         with torchtpu.eager_mode(mode):
-            empty, _, _ = _timed(make_event, 0)
-            busy, b, a = _timed(make_event, 30)
+            _timed(make_event, 30)  # compiles the kernels outside the timed runs
+            # The fastest of three runs each: a shared machine's pause (a GC,
+            # another process) can land in any single one.
+            empty = min(_timed(make_event, 0)[0] for _ in range(3))
+            runs = [_timed(make_event, 30) for _ in range(3)]
+            busy = min(r[0] for r in runs)
+            _, b, a = runs[0]
             assert 0 <= empty < busy, (mode, empty, busy)
             expect = a.cpu()
             for _ in range(30):
-                expect = expect @ a.cpu() / 256
+                expect = expect @ a.cpu()
+            assert expect.abs().max() > 0.01
             torch.testing.assert_close(b.cpu(), expect, rtol=1e-4, atol=1e-5)
 
 
