@@ -35,10 +35,7 @@ NEW_TOKENS = 256
 
 @pytest.mark.parametrize("model_name,cache,mode", [
     ("llama", "dynamic", "strict"), ("llama", "dynamic", "fused"), ("llama", "dynamic", "debug"),
-    pytest.param("llama", "static", "strict", marks=pytest.mark.xfail(strict=True, reason=(
-        "a static cache of a new length compiles its cache-length kernels again (zeros, "
-        "index_copy, attention, the mask: 12 of the 19 compilations of this run); the buckets "
-        "cover dimensions that grow, not a cache allocated at its full length"))),
+    ("llama", "static", "strict"),
     ("llama", "static", "fused"),
     ("gpt2", "dynamic", "strict"), ("gpt2", "dynamic", "fused"),
 ])

@@ -23,7 +23,7 @@ from ..modes import checks
 from ..ops import random as rng
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
 from .host import download, host_values, to_tpu
-from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
+from .kernels import (_Call, grown_readable, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
                       _physical_order, _run_meta, _spec, _unflatten, first_device, kernel_device,
                       meta_outcome, written_checked)
 from .plans import _INDICES, SPECIAL, Plan
@@ -47,6 +47,10 @@ def plan_of(func):
         p.handler = _handler(p)
         _plans_by_id[id(func)] = p
     return p
+
+
+_READ = aten.clone.default  # the op that reads a grown storage's view
+_CONTIGUOUS = {"memory_format": torch.contiguous_format}
 
 
 def _handler(plan):
@@ -160,15 +164,27 @@ def _run_lowered(plan, args, kwargs):
     # _spec, with its common case (a tpu tensor) inline: this loop runs for
     # every argument of every op.
     pos_specs = []
-    for a, f in zip(args, plan.pos_flags):
+    for i, (a, f) in enumerate(zip(args, plan.pos_flags)):
         if type(a) is TpuTensor:
             storage = a._storage
             if type(storage) is GrownStorage and a._view is not None:
-                # A view of a grown storage: read from its padded array.
-                if call is None:
-                    call = _Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
-                pos_specs.append(_spec(call, a, f))
-                continue
+                if (plan.func is not _READ and plan.kind != "mutate"
+                        and modes._current.name != "fused" and grown_readable(a)):
+                    # A view of a grown storage (`ids[:, -1:]`): read on its
+                    # own, by one kernel per bucket that every reader of the
+                    # view shares; the op then compiles once for the view.
+                    # (Fused mode compiles graphs, not these kernels.)
+                    a = _run_lowered(plan_of(_READ), (a,), _CONTIGUOUS)
+                    args = (*args[:i], a, *args[i + 1:])  # (its meta run too)
+                    storage = a._storage
+                else:
+                    # The read itself: from the padded array, at a run-time
+                    # offset (or, where no offset says it, the exact array).
+                    if call is None:
+                        call = _Call(storages, arrays, slots, (args, kwargs),
+                                     plan.kind != "mutate")
+                    pos_specs.append(_spec(call, a, f))
+                    continue
             slot = slots.get(storage)
             if slot is None:
                 slot = slots[storage] = len(storages)

@@ -13,7 +13,10 @@ until it holds the tensor; zeros past the extent). From then on:
   kernel takes at run time (torchtpu::write_at), into the same bucket, or
   into the next bucket when it is full: one kernel per bucket, not per step;
 - a view of it (`ids[:, -1]`, `ids[:, -1:]`) is read from the padded array
-  at a run-time offset (the dispatcher's "d" specs, dispatch/kernels.py);
+  at a run-time offset (the dispatcher's "d" specs, dispatch/kernels.py), by
+  one clone kernel per bucket that every op reading such a view shares (the
+  op itself then compiles once, for the view's shape; in fused mode the
+  read is folded into the op, as graphs compile per bucket anyway);
 - scaled_dot_product_attention over a grown key and value (the decode step)
   attends over the padded length with the keys past the extent masked out:
   exactly the same weights, since a masked key's weight is 0;

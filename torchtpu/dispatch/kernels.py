@@ -119,6 +119,12 @@ def _tensor_spec(call, t):
     return ("t", slot) + t._key
 
 
+def grown_readable(t):
+    """Whether a view t of a grown storage can be read from the padded array
+    at a run-time offset."""
+    return t._storage.grown is not None and grown_view(t) is not None
+
+
 def _grown_spec(call, t):
     """A view of a grown storage, read from its padded array at an offset
     fed at run time: ("d", slot, dtype, padded shape, (shape, stride),
