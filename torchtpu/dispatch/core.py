@@ -23,9 +23,9 @@ from ..modes import checks
 from ..ops import random as rng
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
 from .host import download, host_values, to_tpu
-from .kernels import (_Call, grown_readable, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
-                      _physical_order, _run_meta, _spec, _unflatten, first_device, kernel_device,
-                      meta_outcome, written_checked)
+from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
+                      _physical_order, _run_meta, _spec, _unflatten, first_device, grown_readable,
+                      kernel_device, meta_outcome, written_checked)
 from .plans import _INDICES, SPECIAL, Plan
 
 aten = torch.ops.aten
@@ -164,7 +164,7 @@ def _run_lowered(plan, args, kwargs):
     # _spec, with its common case (a tpu tensor) inline: this loop runs for
     # every argument of every op.
     pos_specs = []
-    for i, (a, f) in enumerate(zip(args, plan.pos_flags)):
+    for a, f in zip(args, plan.pos_flags):
         if type(a) is TpuTensor:
             storage = a._storage
             if type(storage) is GrownStorage and a._view is not None:
@@ -175,6 +175,7 @@ def _run_lowered(plan, args, kwargs):
                     # view shares; the op then compiles once for the view.
                     # (Fused mode compiles graphs, not these kernels.)
                     a = _run_lowered(plan_of(_READ), (a,), _CONTIGUOUS)
+                    i = len(pos_specs)  # a's position (one spec per argument so far)
                     args = (*args[:i], a, *args[i + 1:])  # (its meta run too)
                     storage = a._storage
                 else:
