@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --durations=20 tests
 
 demo: install
 	$(PY) examples/train_cuda_script.py
