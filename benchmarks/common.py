@@ -1,6 +1,14 @@
-"""Helpers shared by the benchmarks: timing and the tables they print."""
+"""Helpers shared by the benchmarks: timing, worker processes and the
+tables they print."""
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+
+_ROWS = "ROWS "
 
 
 def timings(fn, repeats, warmup=1):
@@ -37,3 +45,22 @@ def table(bench, rows):
     for row in rows:
         lines.append("| " + " | ".join(fmt.format(row[key]) for key, _, fmt in bench.columns) + " |")
     return "\n".join(lines)
+
+
+def print_rows(rows):
+    """A worker's rows, on the line worker_rows() reads."""
+    print(_ROWS + json.dumps(rows), flush=True)
+
+
+def worker_rows(script, args, timeout):
+    """The rows of `script --worker *args`, run in a process of its own with
+    an empty compilation cache (as a fresh program starts)."""
+    with tempfile.TemporaryDirectory() as cache_dir:
+        proc = subprocess.run([sys.executable, os.path.abspath(script), "--worker", *args],
+                              env=dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir),
+                              capture_output=True, text=True, timeout=timeout)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(_ROWS)), None)
+    if line is None:
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} failed:\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(line[len(_ROWS):])

@@ -14,12 +14,9 @@ cost about 14 ms a token whenever other work shares the 2 cores (1.1 ms
 with one).
 """
 import copy
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,24 +75,17 @@ def _worker(model_name, cache, mode):
                                  equal=bool(torch.equal(out, want)), first=first, warm=warm_ms,
                                  cpu=cpu_ms, first_ratio=first / cpu_ms, warm_ratio=warm_ms / cpu_ms,
                                  compilations=snap["compilations"]))
-    print("ROWS " + json.dumps(rows))
+    from common import print_rows
+    print_rows(rows)
 
 
 def generate():
+    from common import worker_rows
     rows = []
     for model_name in ("llama", "gpt2"):
         for cache in ("dynamic", "static"):
             for mode in ("strict", "fused"):
-                with tempfile.TemporaryDirectory() as cache_dir:
-                    env = dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir)
-                    proc = subprocess.run(
-                        [sys.executable, os.path.abspath(__file__), "--worker", model_name, cache, mode],
-                        env=env, capture_output=True, text=True, timeout=1200)
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("ROWS ")), None)
-                if line is None:
-                    raise RuntimeError(f"generate benchmark {model_name}/{cache}/{mode} failed:\n"
-                                       f"{proc.stderr[-3000:]}")
-                rows += json.loads(line[5:])
+                rows += worker_rows(__file__, (model_name, cache, mode), timeout=1200)
     return rows
 
 

@@ -9,17 +9,14 @@ and the rest: Hugging Face's Python, PyTorch's own dispatch up to the
 subclass's __torch_dispatch__, and Dynamo's guards on the compiled forward
 (static cache), none of which torchtpu runs. The floor is what the token
 would cost if torchtpu's own host work were free: the rest, less what the
-timers themselves cost, plus in strict mode the token's kernel calls
-replayed back to back with the same arrays (fused mode's floor leaves out
-its graph's run, so it is lower than the real floor).
+timers themselves cost, plus the token's device work, its kernel calls
+(strict) or its compiled graphs' runs (fused), replayed back to back over
+the same arrays.
 """
 import copy
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -191,27 +188,22 @@ def _worker(cache, mode):
             stop()
         for _ in range(REPEATS):
             runs["back_to_back"].append(_back_to_back(calls, copies=mode == "fused"))
-    m = {k: statistics.median(v) if v else 0.0 for k, v in runs.items()}
+    m = {k: statistics.median(v) for k, v in runs.items()}
     floor = m["rest"] + m["back_to_back"]
     row = dict(cache=cache, mode=mode, tpu=m["plain"], cpu=m["cpu"], torchtpu=m["torchtpu"],
                rest=m["rest"], back_to_back=m["back_to_back"], runs=len(calls) / TOKENS,
                floor=floor, ratio=m["plain"] / m["cpu"], floor_ratio=floor / m["cpu"],
                target=TARGETS[mode], dispatches=timers.calls["ops"] / TOKENS)
-    print("ROWS " + json.dumps([row]))
+    from common import print_rows
+    print_rows([row])
 
 
 def generate_floor():
+    from common import worker_rows
     rows = []
     for cache in ("dynamic", "static"):
         for mode in ("strict", "fused"):
-            with tempfile.TemporaryDirectory() as cache_dir:
-                env = dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir)
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", cache, mode],
-                                      env=env, capture_output=True, text=True, timeout=900)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("ROWS ")), None)
-            if line is None:
-                raise RuntimeError(f"generate_floor {cache}/{mode} failed:\n{proc.stderr[-3000:]}")
-            rows += json.loads(line[5:])
+            rows += worker_rows(__file__, (cache, mode), timeout=900)
     return rows
 
 
