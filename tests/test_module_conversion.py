@@ -128,28 +128,63 @@ def test_gradient_hooks_move_with_the_parameter(mode):
     assert_same(model.embed.weight.grad, cpu.embed.weight.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_optimizer_built_before_the_move_refuses_to_step():
-    # Its parameters are the replaced CPU ones, which no longer train the
-    # model: a step raises instead of silently doing nothing.
+def test_parameters_keep_their_identity_through_the_move(mode):
+    # As on CUDA: the same Parameter objects, with their Python attributes,
+    # hooks and gradients, so an optimizer built before the move trains the
+    # moved model (its step matches CPU's).
+    torch.manual_seed(0)
+    cpu, model = TiedLM(), TiedLM()
+    model.load_state_dict(cpu.state_dict())
+    weight = model.mid.weight
+    weight.tag = "mine"
+    seen = []
+    weight.register_hook(lambda g: seen.append(g.device.type))
+    ids = torch.tensor([[1, 2, 3], [3, 4, 1]])
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (cpu, model)]
+    for m in (cpu, model):
+        m(ids).sum().backward()  # a CPU gradient, moved with its parameter
+    model.to("tpu")
+    assert model.mid.weight is weight and weight.is_tpu and weight.tag == "mine"
+    assert isinstance(weight, nn.Parameter) and weight.grad.is_tpu
+    assert_same(weight.grad, cpu.mid.weight.grad)
+    _check_tied(model, "tpu")
+    for m, opt, x in ((cpu, opts[0], ids), (model, opts[1], ids.to("tpu"))):
+        opt.step()
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+    assert seen == ["cpu", "tpu"]
+    assert_same(model.mid.weight, cpu.mid.weight.detach(), atol=1e-5, rtol=1e-5)
+    assert_same(model.embed.weight, cpu.embed.weight.detach(), atol=1e-5, rtol=1e-5)
+    assert_same(opts[1].state[weight]["exp_avg"], opts[0].state[cpu.mid.weight]["exp_avg"],
+                atol=1e-5, rtol=1e-5)
+    model.to("cpu")
+    assert model.mid.weight is weight and type(weight) is nn.Parameter and weight.tag == "mine"
+    assert weight.grad.device.type == "cpu"
+    torch.testing.assert_close(weight.detach(), cpu.mid.weight.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_parameter_that_cannot_be_swapped_is_replaced_and_its_optimizer_refuses():
+    # A weak reference to a parameter blocks torch.utils.swap_tensors: it is
+    # replaced (ties kept), and an optimizer still holding it raises at step
+    # instead of silently training nothing.
+    import weakref
     model = TiedLM()
     early = torch.optim.AdamW(model.parameters())
+    held = weakref.ref(model.embed.weight)
     model.to("tpu")
+    assert model.embed.weight is not held() and model.mid.weight.is_tpu
+    _check_tied(model, "tpu")
     model(torch.tensor([[1, 2]], device="tpu")).sum().backward()
     with pytest.raises(RuntimeError, match="build the optimizer after moving the model"):
         early.step()
     late = torch.optim.AdamW(model.parameters())
     late.step()  # the model's own parameters step as usual
-    early.param_groups[0]["params"] = list(model.parameters())
-    early.step()
-    back = torch.optim.SGD(model.parameters())
-    model.to("cpu")
-    with pytest.raises(RuntimeError, match="replaced"):
-        back.step()
 
 
 def test_with_swapping_conversion_on(monkeypatch):
-    # torch.__future__'s swap flag: parameters on CPU are swapped in place as
-    # PyTorch does; to and from tpu they are replaced, ties kept.
+    # torch.__future__'s swap flag: parameters are swapped in place, on CPU
+    # as PyTorch does, and to and from tpu; ties kept.
     monkeypatch.setattr(torch.__future__, "_swap_module_params_on_conversion", True)
     model = TiedLM()
     weight = model.mid.weight
@@ -159,6 +194,7 @@ def test_with_swapping_conversion_on(monkeypatch):
     _check_tied(model, "tpu", torch.float64)
     model.to("cpu")
     _check_tied(model, "cpu", torch.float64)
+    assert model.mid.weight is weight
     assert torch.__future__.get_swap_module_params_on_conversion()
 
 

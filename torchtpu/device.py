@@ -35,6 +35,9 @@ def _module():
 
     mod.is_available = lambda: True
     mod.is_initialized = lambda: True
+    # What PyTorch reads of a device module by name (torch.utils.checkpoint
+    # saves and restores the device's random state only if it is set).
+    mod._initialized = True
     mod._is_in_bad_fork = lambda: False
     mod.device_count = device_count
     mod.current_device = properties.current_index

@@ -1,24 +1,28 @@
-"""Module conversion (`.to()`, `.tpu()`, `.cpu()`, `to_empty()`) keeps tied
-parameters tied when tpu tensors are involved.
+"""Module conversion (`.to()`, `.tpu()`, `.cpu()`, `to_empty()`) to or from
+tpu keeps each Parameter the same object, as CUDA does.
 
 Module._apply changes a parameter in place (`param.data = new`) only when
 the new tensor has a compatible C++ tensor type; a tpu tensor is a Python
-subclass on another backend, so from or to tpu each module gets a new
-Parameter of its own, and one parameter shared by two modules becomes two.
-PyTorch cannot keep the same object either (its class and slots differ),
-so within one conversion each original Parameter becomes one new Parameter,
-put in every module that held the original, with the original's gradient
-hooks. An optimizer holds the objects it was given: one built before the
-move would step the replaced parameters, which no longer train anything, so
-its step raises instead (build it after the move, as PyTorch's docs ask for
-CUDA too).
+subclass on another backend, so PyTorch would give each module a new
+Parameter (and one parameter shared by two modules would become two).
+Instead the conversion swaps the converted tensor into the Parameter
+object (torch.utils.swap_tensors: its class, C++ tensor and handle), so
+`m.weight is w` still holds after `m.to("tpu")`, an optimizer built before
+the move trains the moved parameters, and ties stay tied. Its Python
+attributes, gradient hooks and `.grad` (moved too) are kept.
+
+A parameter that cannot be swapped (a weak reference to it, or its C++
+tensor held elsewhere, as by a live autograd graph) is replaced instead:
+within one conversion each original becomes one new Parameter, put in
+every module that held it, with the original's hooks. An optimizer still
+holding such a replaced parameter would train nothing, so its step raises.
 """
 import weakref
 
 import torch
 from torch import nn
 
-from .tensor import DEVICE, TpuTensor
+from .tensor import DEVICE, HANDLE, TpuTensor
 
 _module_apply = nn.Module._apply
 # Parameters some conversion replaced, while anything still holds them:
@@ -51,9 +55,33 @@ class _ConvertOnce:
         if seen is not None:
             return seen[1]
         out = self.fn(t)
-        if isinstance(t, TpuTensor) or isinstance(out, TpuTensor):
+        if (isinstance(t, TpuTensor) or isinstance(out, TpuTensor)) and out is not t:
+            if _swap_in(t, out, self.fn):
+                out = t
             self.converted[id(t)] = (t, out)
         return out
+
+
+def _swap_in(param, new, fn):
+    """Make Parameter `param` the converted tensor `new` in place; False
+    (nothing changed) when it cannot be swapped."""
+    if type(param) is not TpuTensor and type(param) is not nn.Parameter:
+        return False  # a Parameter subclass of another layout
+    attrs = {k: v for k, v in param.__dict__.items() if k not in HANDLE and k != "_is_param"}
+    hooks, post_hooks = param._backward_hooks, param._post_accumulate_grad_hooks
+    grad = param.grad
+    param.grad = None  # the grad's reference would block the swap
+    new = nn.Parameter(new, requires_grad=param.requires_grad)
+    new.__dict__.update(attrs)
+    try:
+        torch.utils.swap_tensors(param, new)
+    except RuntimeError:
+        param.grad = grad
+        return False
+    param._backward_hooks, param._post_accumulate_grad_hooks = hooks, post_hooks
+    if grad is not None:
+        param.grad = fn(grad)
+    return True
 
 
 def _apply(self, fn, recurse=True):

@@ -18,6 +18,7 @@ subclasses stand in for one:
   `set_` (the rebuild's way of viewing a storage) uploads once per dtype.
 """
 import collections
+import copy
 import importlib.util
 import io
 import math
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import torch
 
 from . import dispatch, modes, properties, runtime
-from .tensor import DEVICE, DEVICES, Lost, Storage, TpuTensor, contiguous_strides
+from .tensor import DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, contiguous_strides, view_tensor
 
 aten = torch.ops.aten
 
@@ -224,7 +225,7 @@ def reduce_tensor(t):
     """TpuTensor.__reduce_ex__: what torch.save and pickle write."""
     from torch.utils.hooks import warn_if_has_hooks
     warn_if_has_hooks(t)
-    state = dict(t.__dict__)
+    state = {k: v for k, v in t.__dict__.items() if k not in HANDLE}
     if state.pop("_is_param", False):
         # A Parameter, as Parameter.__reduce_ex__ writes one.
         data = t.detach()
@@ -245,6 +246,51 @@ def reduce_tensor(t):
         return torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_tensor_v2, TpuTensor,
                                                      args, state)
     return torch._utils._rebuild_tensor_v2, args
+
+
+def deepcopy_tensor(t, memo):
+    """TpuTensor.__deepcopy__, as CPU's: a leaf's copy with its own storage,
+    shared by the copies of its views within one deepcopy (memo), and its
+    grad and Python attributes copied too (a Parameter stays one). A JAX
+    array is immutable and a write replaces a storage's array, so the copy
+    holds the same array: no device work. (PyTorch's own path would clone
+    the C++ storage, which a tpu tensor does not have.)"""
+    if not t.is_leaf:
+        raise RuntimeError(
+            "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+            "protocol at the moment.  If you were attempting to deepcopy a module, this may be "
+            "because of a torch.nn.utils.weight_norm usage, see "
+            "https://github.com/pytorch/pytorch/pull/103001")
+    found = memo.get(id(t))
+    if found is not None:
+        return found
+    source = t._storage
+    storage = memo.get(id(source))
+    if storage is None:
+        array = source.array
+        if type(array) is Pending:
+            # A value fused mode has yet to compute: only its own storage
+            # receives it, so the copy is a recorded clone of it.
+            whole = TpuTensor(source, array.shape, t.dtype if t._view is None or len(t._view) == 3
+                              else t._view[4])
+            with torch.no_grad():
+                storage = dispatch.dispatch(aten.clone.default, (whole,), {})._storage
+        else:
+            storage = Storage(array, source.device)
+        memo[id(source)] = storage
+        memo.setdefault(id(memo), []).append(source)  # keeps the id from being reused
+    new = view_tensor(storage, tuple(t.shape), t.stride(), t.storage_offset(), t._key,
+                      requires_grad=t.requires_grad)
+    with torch.no_grad():
+        if t.is_conj():
+            new = new.conj_physical()
+        if t.is_neg():
+            new = new.neg()
+        if t.grad is not None:
+            new.grad = deepcopy_tensor(t.grad, memo)
+    new.__dict__.update(copy.deepcopy({k: v for k, v in t.__dict__.items() if k not in HANDLE}, memo))
+    memo[id(t)] = new
+    return new
 
 
 def _set_storage(t, source, storage_offset=0, size=None, stride=None):
@@ -330,6 +376,7 @@ def install():
     # torch.save and pickle write a tpu tensor as PyTorch writes a CUDA one:
     # its storage's bytes, tagged with the device, and how it views them.
     TpuTensor.__reduce_ex__ = lambda t, proto: reduce_tensor(t)
+    TpuTensor.__deepcopy__ = deepcopy_tensor
     TpuTensor.untyped_storage = untyped_storage
     TpuTensor.data_ptr = data_ptr
     dispatch.SPECIAL[aten.set_.source_Storage_storage_offset] = _set_storage

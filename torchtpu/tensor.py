@@ -213,12 +213,19 @@ def view_tensor(storage, shape, stride, offset, key, requires_grad=False, cls=No
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
+# The attributes that make a TpuTensor's handle on its data: not the user's
+# Python attributes (which deepcopy, pickle and module conversion carry).
+HANDLE = ("_storage", "_view", "_key")
+
 
 class TpuTensor(torch.Tensor):
-    """A tensor on the tpu device. Its data lives in self._storage."""
-    # Slots: set for every result, read for every argument (a dict costs
-    # about 0.5 us per tensor created).
-    __slots__ = ("_storage", "_view", "_key")
+    """A tensor on the tpu device. Its data lives in self._storage.
+
+    Its handle (HANDLE: _storage, _view, _key) is in the instance __dict__,
+    not in __slots__: a class with slots of its own cannot take the place of
+    a Parameter's class, and torch.utils.swap_tensors, which keeps a
+    Parameter the same object through `module.to("tpu")` as on CUDA, needs
+    that (torchtpu.module_conversion)."""
 
     @staticmethod
     def __new__(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):

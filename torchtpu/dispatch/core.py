@@ -431,7 +431,16 @@ def _run_view(plan, args, kwargs):
         plan.view_cache[key] = specs
     template, leaves = specs
     metrics.M.ops_dispatched += 1
-    storage = src._storage
+    if torch.is_inference_mode_enabled() and not src.is_inference():
+        # A view of a normal tensor is a normal tensor, in inference mode
+        # too (autograd gives it its base's version counter, which an
+        # inference tensor cannot take).
+        with torch.inference_mode(False):
+            return _views(src._storage, template, leaves)
+    return _views(src._storage, template, leaves)
+
+
+def _views(storage, template, leaves):
     if template is ...:
         return view_tensor(storage, *leaves[0])
     return _unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])

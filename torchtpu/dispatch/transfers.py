@@ -72,6 +72,9 @@ def _resize_as_(t, template, memory_format=None):
 
 SPECIAL.update({
     aten._local_scalar_dense.default: _local_scalar_dense,
+    # What .item() reaches under inference mode, and its decomposition.
+    aten.item.default: _local_scalar_dense,
+    torch.ops.prims.item.default: _local_scalar_dense,
     aten.copy_.default: _copy_,
     aten._copy_from.default: _copy_from,
     aten.resize_.default: _resize_,
@@ -86,6 +89,10 @@ def _to_copy_handler(x, **kwargs):
         out = download(x)
         dtype = kwargs.get("dtype")
         return out.to(dtype) if dtype is not None else out
+    if device is not None and torch.device(device).type == "meta":
+        # Shape, strides and dtype only, as from any device (no sync).
+        meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return aten._to_copy.default(meta, **kwargs)
     kwargs.pop("device", None)
     kwargs.pop("layout", None)
     kwargs.pop("pin_memory", None)
