@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import torch
 
 from . import dispatch, modes, properties, runtime
-from .tensor import DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, contiguous_strides, view_tensor
+from .tensor import (DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, contiguous_strides,
+                     storage_dtype, view_tensor)
 
 aten = torch.ops.aten
 
@@ -55,8 +56,50 @@ class _OnTpu(torch.UntypedStorage):
         raise RuntimeError("torchtpu: a tpu storage has no host memory; read or write "
                            "it through a tensor (torch.empty(0, device='tpu').set_(storage))")
 
-    # Its C++ storage is empty: nothing may read or write that.
-    __getitem__ = __setitem__ = copy_ = fill_ = resize_ = _refuse
+    # Its C++ storage is empty: nothing may read or write that (PyTorch's
+    # own clone, for one, would allocate a tpu storage in C++ and crash).
+    # What reads values goes through cpu(); what writes bytes is refused.
+    (__setitem__, copy_, fill_, resize_, byteswap, _byteswap, _share_cuda_, _share_fd_cpu_,
+     _share_filename_cpu_, _get_shared_fd, _get_filename, _shared_incref, _shared_decref,
+     _swap_data_ptr_, _resize_with_addr_, _set_from_file) = (_refuse,) * 16
+
+    def __getitem__(self, index):
+        if not isinstance(index, int):
+            raise RuntimeError("torchtpu: a tpu storage cannot be sliced; slice a tensor over "
+                               "it (torch.empty(0, device='tpu', dtype=torch.uint8).set_(storage))")
+        return self.cpu()[index]
+
+    def tolist(self):
+        return self.cpu().tolist()
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def is_pinned(self, device=None):
+        return False
+
+    def pin_memory(self, device=None):
+        raise TypeError(f"cannot pin '{torch.typename(self)}' only CPU memory can be pinned")
+
+    def to(self, *, device, non_blocking=False):
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.cpu()
+        if device == self.device or (device.type == self.device.type and device.index is None
+                                     and self._index == 0):
+            return self
+        raise RuntimeError(f"torchtpu: a tpu storage moves only to the CPU; move a tensor "
+                           f"over it to {device} instead")
+
+    def __deepcopy__(self, memo):
+        found = memo.get(id(self))
+        if found is None:
+            found = memo[id(self)] = self.clone()
+            memo.setdefault(id(memo), []).append(self)
+        return found
+
+    def __copy__(self):
+        return self.clone()
 
     def __reduce__(self):
         # As UntypedStorage pickles itself (a legacy torch.save), through a
@@ -83,33 +126,33 @@ def _is_freed(storage):
 # Device addresses for data_ptr(): one range per storage, never reused, so
 # equal addresses mean shared memory, as they do for CUDA tensors.
 _next_address = 1 << 44
+_addresses = weakref.WeakKeyDictionary()  # tpu Storage -> its address
 
 
 class TpuStorage(_OnTpu):
-    """The storage of tpu tensors (all views of one tpu Storage); reading it
-    downloads the array."""
+    """The storage of tpu tensors (all views of one tpu Storage, whose data
+    it keeps alive, as a CUDA storage does); reading it downloads the
+    array."""
 
     @classmethod
     def of(cls, storage, dtype):
         global _next_address
         self = cls(0)
-        self._ref = weakref.ref(storage)
+        self._storage = storage
         self._index = storage.device
         self._dtype = dtype
         self._nbytes = math.prod(storage.array.shape) * dtype.itemsize
-        self._address = _next_address
-        _next_address += -(-max(self._nbytes, 1) // 4096) * 4096
+        self._address = _addresses.get(storage)
+        if self._address is None:
+            self._address = _addresses[storage] = _next_address
+            _next_address += -(-max(self._nbytes, 1) // 4096) * 4096
         return self
 
     def tpu_storage(self):
-        storage = self._ref()
-        if storage is None:
-            raise RuntimeError("torchtpu: this storage's tensors are gone; its data was freed")
-        return storage
+        return self._storage
 
     def nbytes(self):
-        storage = self._ref()
-        return 0 if storage is not None and _is_freed(storage) else self._nbytes
+        return 0 if _is_freed(self._storage) else self._nbytes
 
     def size(self):
         return self.nbytes()
@@ -138,6 +181,10 @@ class TpuStorage(_OnTpu):
 
     def data_ptr(self):
         return self._address
+
+    def clone(self):
+        """A storage of its own with the same bytes (it holds the copy)."""
+        return _face(_copied(self._storage, self._dtype), self._dtype)
 
     def cpu(self):
         """A CPU copy of the bytes (a sync point: torch.save writes this)."""
@@ -181,6 +228,9 @@ class LoadedStorage(_OnTpu):
     def cpu(self):
         return self._host
 
+    def clone(self):
+        return LoadedStorage.of(self._host.clone(), self._index)
+
     def _write_file(self, *args):
         return self._host._write_file(*args)
 
@@ -205,15 +255,23 @@ class LoadedStorage(_OnTpu):
         return result
 
 
-_faces = weakref.WeakKeyDictionary()  # tpu Storage -> its TpuStorage
+# tpu Storage -> a weak reference to its TpuStorage (which holds it).
+_faces = weakref.WeakKeyDictionary()
+
+
+def _face(storage, dtype):
+    """The TpuStorage of a tpu Storage: one while anything holds it."""
+    ref = _faces.get(storage)
+    face = ref() if ref is not None else None
+    if face is None:
+        face = TpuStorage.of(storage, dtype)
+        _faces[storage] = weakref.ref(face)
+    return face
 
 
 def untyped_storage(t):
-    """t.untyped_storage() of a tpu tensor: one TpuStorage per tpu Storage."""
-    face = _faces.get(t._storage)
-    if face is None:
-        face = _faces[t._storage] = TpuStorage.of(t._storage, t.dtype)
-    return face
+    """t.untyped_storage() of a tpu tensor."""
+    return _face(t._storage, storage_dtype(t))
 
 
 def data_ptr(t):
@@ -248,13 +306,25 @@ def reduce_tensor(t):
     return torch._utils._rebuild_tensor_v2, args
 
 
+def _copied(source, dtype):
+    """A new tpu Storage with source's values (dtype: the storage's). A JAX
+    array is immutable and a write replaces a storage's array, so the copy
+    holds the same array: no device work."""
+    array = source.array
+    if type(array) is not Pending:
+        return Storage(array, source.device)
+    # A value fused mode has yet to compute: only its own storage receives
+    # it, so the copy is a recorded clone of it.
+    with torch.no_grad():
+        return dispatch.dispatch(aten.clone.default, (TpuTensor(source, array.shape, dtype),),
+                                 {})._storage
+
+
 def deepcopy_tensor(t, memo):
     """TpuTensor.__deepcopy__, as CPU's: a leaf's copy with its own storage,
     shared by the copies of its views within one deepcopy (memo), and its
-    grad and Python attributes copied too (a Parameter stays one). A JAX
-    array is immutable and a write replaces a storage's array, so the copy
-    holds the same array: no device work. (PyTorch's own path would clone
-    the C++ storage, which a tpu tensor does not have.)"""
+    grad and Python attributes copied too (a Parameter stays one). (PyTorch's
+    own path would clone the C++ storage, which a tpu tensor does not have.)"""
     if not t.is_leaf:
         raise RuntimeError(
             "Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
@@ -267,17 +337,7 @@ def deepcopy_tensor(t, memo):
     source = t._storage
     storage = memo.get(id(source))
     if storage is None:
-        array = source.array
-        if type(array) is Pending:
-            # A value fused mode has yet to compute: only its own storage
-            # receives it, so the copy is a recorded clone of it.
-            whole = TpuTensor(source, array.shape, t.dtype if t._view is None or len(t._view) == 3
-                              else t._view[4])
-            with torch.no_grad():
-                storage = dispatch.dispatch(aten.clone.default, (whole,), {})._storage
-        else:
-            storage = Storage(array, source.device)
-        memo[id(source)] = storage
+        storage = memo[id(source)] = _copied(source, storage_dtype(t))
         memo.setdefault(id(memo), []).append(source)  # keeps the id from being reused
     new = view_tensor(storage, tuple(t.shape), t.stride(), t.storage_offset(), t._key,
                       requires_grad=t.requires_grad)

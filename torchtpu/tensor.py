@@ -185,6 +185,12 @@ def grown_view(t):
         strides.append(step * physical[j])
     return (tuple(vshape), tuple(strides)), sum(i * p for i, p in zip(index, physical))
 
+def storage_dtype(t):
+    """The dtype of t's storage array: t's, unless t views its bytes as
+    another dtype (x.view(torch.uint8), view_as_real)."""
+    return t.dtype if t._view is None or len(t._view) == 3 else t._view[4]
+
+
 def whole_tensor(storage, shape, dtype, requires_grad=False, cls=None):
     """A tensor that is its whole storage array (same shape, no view); shape
     a tuple. A plain function: every op result is made here, and calling
@@ -290,6 +296,19 @@ class TpuTensor(torch.Tensor):
             raise TypeError(f"can't convert {self.device} device type tensor to numpy. "
                             "Use Tensor.cpu() to copy the tensor to host memory first.")
         return self.detach().cpu().numpy()
+
+    def __dlpack__(self, *args, **kwargs):
+        # Its data is an immutable JAX array that other tensors may share:
+        # a consumer writing through a DLPack view would change them too.
+        raise BufferError(f"a {self.device} tensor cannot be exported through DLPack: its data "
+                          "is a JAX array; use Tensor.cpu() first")
+
+    def __dlpack_device__(self):
+        return self.__dlpack__()
+
+    def record_stream(self, stream):
+        """A no-op: JAX keeps a buffer alive until the work using it is done
+        (CUDA's caching allocator needs to be told; this device does not)."""
 
 
 def _dispatch(func, args, kwargs):
