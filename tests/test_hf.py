@@ -86,3 +86,28 @@ def test_compiled_llama_trains_as_on_cpu(mode):
     (positions, the causal mask), which Dynamo captures."""
     torch._dynamo.reset()
     _train_parity(_llama, compile_backend="tpu")
+
+
+def test_gradient_checkpointing_with_dropout_and_deepcopy(mode):
+    # gradient_checkpointing_enable() recomputes each block in backward: its
+    # dropout masks must be the forward's (torch.utils.checkpoint restores the
+    # device's random state), so the gradients equal the unchecked model's.
+    # The checkpointed model is a deepcopy of the tpu model, as HF's own
+    # model tests make theirs.
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                     resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3,
+                                     attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).to("tpu").train()
+    checked = copy.deepcopy(model)
+    checked.gradient_checkpointing_enable()
+    assert checked.lm_head.weight is checked.transformer.wte.weight
+    ids = torch.randint(0, 64, (2, 12), device="tpu")
+    results = []
+    for m in (model, checked):
+        torch.manual_seed(5)
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        results.append([loss.detach().cpu()] + [p.grad.cpu() for p in m.parameters()])
+    for plain, recomputed in zip(*results):
+        torch.testing.assert_close(recomputed, plain)
