@@ -183,7 +183,7 @@ def test_save_state_load_state_round_trip(tmp_path, safe_serialization):
     torch.testing.assert_close(_step(accelerator, model, opt, batches[1]), after_save)
 
 
-def _trainer_losses(use_cpu, output_dir):
+def _trainer_losses(use_cpu, output_dir, early_optimizer=False):
     transformers = pytest.importorskip("transformers")
 
     class Tokens(torch.utils.data.Dataset):
@@ -203,7 +203,10 @@ def _trainer_losses(use_cpu, output_dir):
     args = transformers.TrainingArguments(output_dir=str(output_dir), max_steps=3,
                                           per_device_train_batch_size=2, report_to="none",
                                           logging_steps=1, use_cpu=use_cpu)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    # An optimizer built on the CPU model, before Trainer moves it.
+    optimizers = (torch.optim.AdamW(model.parameters(), lr=1e-3), None) if early_optimizer else (None, None)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   optimizers=optimizers)
     trainer.train()
     device = next(model.parameters()).device
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], device
@@ -214,5 +217,16 @@ def test_trainer_default_arguments_match_cpu(tmp_path):
     cpu_losses, cpu_device = _trainer_losses(True, tmp_path / "cpu")
     assert tpu_device.type == "tpu" and cpu_device.type == "cpu"
     assert len(tpu_losses) == len(cpu_losses) == 3
+    torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_with_an_optimizer_built_before_the_move_trains_as_on_cpu(tmp_path):
+    # Trainer moves the model after the user built the optimizer: the move
+    # keeps the Parameter objects, so the optimizer steps the tpu model.
+    tpu_losses, tpu_device = _trainer_losses(False, tmp_path / "tpu", early_optimizer=True)
+    cpu_losses, _ = _trainer_losses(True, tmp_path / "cpu", early_optimizer=True)
+    assert tpu_device.type == "tpu"
+    assert tpu_losses[0] != tpu_losses[-1]
     torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses),
                                rtol=1e-4, atol=1e-5)

@@ -10,9 +10,10 @@ one) put every model and batch on cpu. Two changes tell it about tpu:
   already decides. `Accelerator(cpu=True)` and `TrainingArguments(use_cpu=True)`
   never ask it and still give cpu.
 - `Accelerator.prepare` points the optimizers it prepares at the parameters
-  the model has on tpu, by name: moving a model to tpu gives it new Parameter
-  objects, so an optimizer made before `prepare` (Accelerate's usual order)
-  would step the old CPU ones. Accelerate does the same for XLA devices.
+  the model has on tpu, by name: moving a model to tpu keeps its Parameter
+  objects unless one cannot be swapped (torchtpu.module_conversion), and an
+  optimizer made before `prepare` (Accelerate's usual order) must not step
+  a replaced one. Accelerate does the same for XLA devices.
 
 Only one process is covered: Accelerate's multi-process set-up has no branch
 for another device, so each process of `accelerate launch` or torchrun would
