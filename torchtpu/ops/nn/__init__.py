@@ -7,8 +7,9 @@
 - norm: batch, layer and group normalization;
 - loss: nll, margin and multilabel-margin losses, CTC;
 - embedding: embedding_bag, dropout's backward;
-- activation: rrelu, _trilinear, the fused LSTM cell;
-- resample: upsampling and grid sampling.
+- activation: rrelu, _trilinear;
+- resample: upsampling and grid sampling;
+- recurrent: the fused LSTM and GRU cells (nn.LSTM, nn.GRU off the CPU).
 
 Float work runs at full precision (Precision.HIGHEST) and bf16/f16 inputs
 compute in float32, as PyTorch's CPU kernels do. Backward ops that have a
@@ -16,5 +17,5 @@ simple forward are lowered as the JAX vjp of that forward, so forward and
 backward agree by construction.
 """
 # In the order they registered as one module, so LOWERINGS fills as before.
-from . import conv, pool, attention, norm, loss, embedding, activation, resample  # noqa: F401
+from . import conv, pool, attention, norm, loss, embedding, activation, resample, recurrent  # noqa: F401
 from .attention import scaled_dot_product_attention  # noqa: F401
