@@ -32,6 +32,10 @@ from .integrations import accelerate as _accelerate  # noqa: E402
 
 _accelerate.install()  # Accelerator() and Trainer pick tpu (when accelerate is imported)
 
+from .integrations import flex_attention as _flex_attention  # noqa: E402
+
+_flex_attention.install()  # torch.nn.attention.flex_attention on tpu tensors, eagerly
+
 import torch.distributed as _dist  # noqa: E402
 
 if _dist.is_available():

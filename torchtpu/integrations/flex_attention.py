@@ -1,0 +1,161 @@
+"""torch.nn.attention.flex_attention on tpu tensors, eagerly.
+
+Called without torch.compile, flex_attention (torch 2.13) checks its inputs,
+then runs the `flex_attention` higher-order op through Dynamo with the
+"eager" backend (Dynamo turns score_mod and mask_mod into graphs and lifts
+the tensors they capture into arguments). The op's Autograd kernel builds
+score_mod's joint graph and saves what backward needs; below autograd the
+op reaches the tensors' own kernel, which for plain tensors is its dense
+implementation: the full scores matrix from ordinary aten ops, score_mod
+and mask_mod applied by vmap. Backward is the `flex_attention_backward` op,
+dense the same way. So a tpu tensor needs four things:
+
+- `_validate_device` lets the device through (it names the devices it
+  knows; every other device keeps its checks and errors);
+- both ops run their dense implementations for a TpuTensor (a tensor
+  subclass reaches a higher-order op at the Python key, where each subclass
+  must be registered), so each of their aten ops is one of torchtpu's;
+- score_mod's joint graph is traced on fake tensors only: PyTorch makes the
+  gradient example with a real tensor of the query's device, which a fake
+  tensor op refuses when it is a tensor subclass;
+- autocast for the device casts q, k and v as CUDA's autocast does.
+
+torch.compile(flex_attention) with the `tpu` backend runs the same kernels
+inside its graphs, once AOTAutograd's first-call check lets the op through
+(_pass_aot_analyzer); fused mode cannot serve those graphs yet (it traces a
+compiled graph again when it flushes, where vmap cannot run).
+
+An error inside the backward op is raised when the backward pass ends: an
+exception leaving a backward node on this device aborts the process
+(torchtpu.errors.raise_after_backward).
+"""
+import torch
+from torch._C import DispatchKey
+
+from .. import errors
+from ..tensor import DEVICE, TpuTensor
+from .after_import import when_imported
+
+_HOP_MODULE = "torch._higher_order_ops.flex_attention"
+
+
+def _on_device(x):
+    return isinstance(x, torch.Tensor) and x.device.type == DEVICE.type
+
+
+def _patch_validation(module):
+    torch_validate = module._validate_device
+
+    def _validate_device(query, key, value):
+        # q, k and v share a device (checked before); tpu, as CUDA, serves
+        # forward and backward: nothing to refuse.
+        if query.device.type != DEVICE.type:
+            torch_validate(query, key, value)
+
+    _validate_device.__doc__ = torch_validate.__doc__
+    _validate_device.__wrapped__ = torch_validate
+    module._validate_device = _validate_device
+
+    def traced_by_dynamo(dynamo):
+        # Dynamo skips torchtpu's code: it would break the graph of every
+        # compiled flex_attention here (fullgraph=True fails), on any device.
+        if module._validate_device is _validate_device:  # (not replaced since)
+            module._validate_device = dynamo.dont_skip_tracing(_validate_device)
+    when_imported("torch._dynamo", traced_by_dynamo)
+
+
+def _backward_stand_ins(query, key, value, score_mod_other_buffers):
+    """What the backward op returns after an error: zero gradients of the
+    right shapes, so that the pass can end and raise the error."""
+    return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
+            tuple(torch.zeros_like(b) if isinstance(b, torch.Tensor) and b.requires_grad else None
+                  for b in score_mod_other_buffers))
+
+
+def _register_kernels(hop):
+    @hop.flex_attention.py_impl(TpuTensor)
+    def flex_attention_tpu(*args, **kwargs):
+        return hop.sdpa_dense(*args, **kwargs)
+
+    @hop.flex_attention_backward.py_impl(TpuTensor)
+    def flex_attention_backward_tpu(query, key, value, *args, **kwargs):
+        try:
+            return hop.sdpa_dense_backward(query, key, value, *args, **kwargs)
+        except Exception as e:
+            if not errors.in_backward():
+                raise
+            errors.raise_after_backward(e)
+            buffers = args[9] if len(args) > 9 else kwargs.get("score_mod_other_buffers", ())
+            return _backward_stand_ins(query, key, value, buffers)
+
+    @hop.flex_attention.py_impl(DispatchKey.AutocastPrivateUse1)
+    def flex_attention_autocast_tpu(query, key, value, *args, **kwargs):
+        from torch.amp.autocast_mode import _cast
+        device = query.device.type
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (_cast(t, device, dtype) for t in (query, key, value))
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(DispatchKey.AutocastPrivateUse1)):
+            return hop.flex_attention(query, key, value, *args, **kwargs)
+
+    # As for CPU and CUDA, whose autocast keys every higher-order op passes by.
+    hop.flex_attention_backward.fallthrough(DispatchKey.AutocastPrivateUse1)
+
+    torch_create = hop.create_fw_bw_graph
+
+    def create_fw_bw_graph(score_mod, index_values, other_buffers):
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        if not any(map(_on_device, index_values)) or detect_fake_mode(index_values) is not None:
+            return torch_create(score_mod, index_values, other_buffers)
+        # Inside a fake tensor mode the gradient example PyTorch makes is fake
+        # too; the graph is the same (the values are never read).
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = tuple(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                          for v in index_values)
+            try:
+                return torch_create(score_mod, fakes, other_buffers)
+            except TypeError as e:
+                if isinstance(score_mod, torch.fx.GraphModule):
+                    raise
+                # Not traced by Dynamo (_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG):
+                # a tensor the function captures stays a real tpu tensor,
+                # which fake tensor ops refuse.
+                raise NotImplementedError(
+                    f"torchtpu: flex_attention's backward on {DEVICE.type} cannot trace a score_mod "
+                    f"that reads a {DEVICE.type} tensor it captures when Dynamo does not trace it "
+                    "(torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is "
+                    "set); unset it, or call flex_attention under torch.no_grad()") from e
+
+    create_fw_bw_graph.__wrapped__ = torch_create
+    hop.create_fw_bw_graph = create_fw_bw_graph
+
+
+def _pass_aot_analyzer(module):
+    """AOTAutograd's first run of a compiled graph watches custom ops for
+    aliasing under a dispatch mode that answers NotImplemented for tensor
+    subclasses, and a higher-order op returns that answer as its result
+    (torch 2.13) instead of going on to the TpuTensor kernel. The mode
+    checks no higher-order op: both ops run without it."""
+    analyzer = getattr(module, "_AnalyzeCustomOpInputOutputMode", None)
+    if analyzer is None:
+        return
+    import importlib
+    hop = importlib.import_module(_HOP_MODULE)
+    for op in (hop.flex_attention, hop.flex_attention_backward):
+        if analyzer not in op.python_key_table:
+            op.py_impl(analyzer)(lambda mode, *args, op=op, **kwargs: op(*args, **kwargs))
+
+
+_installed = False
+
+
+def install():
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    when_imported(_HOP_MODULE, _register_kernels)
+    when_imported("torch.nn.attention.flex_attention", _patch_validation)
+    # torch.compile(flex_attention) on tpu tensors: the `tpu` backend runs
+    # the op's graph through these same kernels.
+    when_imported("torch._functorch._aot_autograd.runtime_wrappers", _pass_aot_analyzer)
