@@ -41,14 +41,24 @@ def test_deepcopy_tensor_and_views_share_as_on_cpu(mode):
     assert t_copy[0, 0].item() == 0.
 
 
-def test_deepcopy_parameter_with_grad_and_attributes(mode):
-    p = nn.Parameter(torch.randn(3, device="tpu"))
-    p.grad = torch.ones(3, device="tpu")
-    p.note = "kept"
-    q = copy.deepcopy(p)
-    assert isinstance(q, nn.Parameter) and q.requires_grad and q.is_leaf and q.note == "kept"
-    assert_same(q, p.detach().cpu())
-    assert_same(q.grad, torch.ones(3))
+def test_deepcopy_parameter_as_parameters_own(mode):
+    # Parameter.__deepcopy__ copies the data only: no grad, no attributes.
+    cpu = nn.Parameter(torch.randn(3))
+    tpu = nn.Parameter(cpu.detach().to("tpu"))
+    for p in (cpu, tpu):
+        p.grad = torch.ones(3, device=p.device)
+        p.note = "not kept"
+    c, q = copy.deepcopy(cpu), copy.deepcopy(tpu)
+    assert isinstance(q, nn.Parameter) and q.requires_grad and q.is_leaf
+    assert_same(q, c.detach())
+    assert (q.grad, c.grad) == (None, None)
+    assert not hasattr(q, "note") and not hasattr(c, "note")
+    with torch.no_grad():
+        q.add_(1)
+    assert_same(tpu, cpu.detach())  # the original is untouched
+    plain = torch.ones(2, device="tpu", requires_grad=True)
+    plain.grad = torch.full((2,), 3., device="tpu")
+    assert_same(copy.deepcopy(plain).grad, torch.full((2,), 3.))  # a tensor's grad is copied
     frozen = copy.deepcopy(nn.Parameter(torch.zeros(2, device="tpu"), requires_grad=False))
     assert isinstance(frozen, nn.Parameter) and not frozen.requires_grad
 

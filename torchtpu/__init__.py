@@ -20,9 +20,7 @@ from . import serialization as _serialization  # noqa: E402
 
 _serialization.install()  # torch.save / torch.load of tpu tensors
 
-from . import packed_sequences as _packed_sequences  # noqa: E402
 
-_packed_sequences.install()  # pack_padded_sequence keeps batch_sizes on the host, as on CUDA
 
 from . import compile as _compile  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch
 
 from . import dispatch, modes, properties, runtime
 from .tensor import (DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, contiguous_strides,
-                     storage_dtype, view_tensor)
+                     storage_dtype, view_tensor, whole_tensor)
 
 aten = torch.ops.aten
 
@@ -323,7 +323,7 @@ def _copied(source, dtype):
 def deepcopy_tensor(t, memo):
     """TpuTensor.__deepcopy__, as CPU's: a leaf's copy with its own storage,
     shared by the copies of its views within one deepcopy (memo), and its
-    grad and Python attributes copied too (a Parameter stays one). (PyTorch's
+    grad and Python attributes copied too; a Parameter as Parameter's own. (PyTorch's
     own path would clone the C++ storage, which a tpu tensor does not have.)"""
     if not t.is_leaf:
         raise RuntimeError(
@@ -334,6 +334,16 @@ def deepcopy_tensor(t, memo):
     found = memo.get(id(t))
     if found is not None:
         return found
+    if t.__dict__.get("_is_param"):
+        # As Parameter.__deepcopy__: a new Parameter over a copy of the data,
+        # without the grad or Python attributes, sharing with nothing.
+        if t._view is None:
+            data = whole_tensor(_copied(t._storage, t.dtype), tuple(t.shape), t.dtype)
+        else:
+            with torch.no_grad():
+                data = t.detach().clone(memory_format=torch.preserve_format)
+        new = memo[id(t)] = torch.nn.Parameter(data, t.requires_grad)
+        return new
     source = t._storage
     storage = memo.get(id(source))
     if storage is None:

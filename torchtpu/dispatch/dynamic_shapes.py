@@ -1,6 +1,6 @@
 """Ops whose result size depends on values: nonzero, boolean-mask indexing,
-masked_select, unique and bincount. Each reads that size back (one scalar,
-as CUDA does), then runs fixed-shape kernels."""
+masked_select, unique, bincount and pack_padded_sequence. Each reads that
+size back (one scalar, as CUDA does), then runs fixed-shape kernels."""
 import torch
 
 from .. import modes
@@ -122,6 +122,16 @@ def _bincount(x, weights=None, minlength=0):
     return torch.zeros(size, dtype=dtype, device=x.device).index_add_(0, x, weights.to(dtype))
 
 
+def _pack_padded_sequence(input, lengths, batch_first):
+    """PyTorch's own composite kernel, as for a CUDA input: `lengths` and the
+    `batch_sizes` it returns live on the host (where the RNN ops and
+    pad_packed_sequence read them), and it slices the input with ops that
+    come back here."""
+    return aten._pack_padded_sequence.default._op_dk(
+        torch._C.DispatchKey.CompositeExplicitAutograd, input, lengths, batch_first)
+
+
+SPECIAL[aten._pack_padded_sequence.default] = _pack_padded_sequence
 SPECIAL[aten._unique2.default] = _unique2
 SPECIAL[aten._unique.default] = _unique
 SPECIAL[aten.bincount.default] = _bincount
