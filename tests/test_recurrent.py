@@ -103,6 +103,14 @@ def test_gru_without_biases(mode):
     compare_module(nn.GRUCell(IN, HIDDEN, bias=False), lambda call, x: call(x), x[0])
 
 
+def test_lstm_without_biases(mode):
+    # PyTorch's meta kernel of the fused LSTM cell reads the None biases'
+    # .device: the lowering's own shapes serve instead.
+    x = make(torch.float32, (STEPS, BATCH, IN))
+    compare_module(nn.LSTM(IN, HIDDEN, bias=False), lambda call, x: call(x), x)
+    compare_module(nn.LSTMCell(IN, HIDDEN, bias=False), lambda call, x: call(x), x[0])
+
+
 def test_lstm_proj_size(mode):
     # The hidden state is projected to proj_size (weight_hr); c keeps HIDDEN.
     module = nn.LSTM(IN, HIDDEN, num_layers=2, bidirectional=True, proj_size=1)
