@@ -326,8 +326,10 @@ def test_untyped_storage_of_tpu_tensors():
         torch.empty(0, device="tpu").set_(s, 4, (2, 2), (2, 1))
     with pytest.raises(RuntimeError, match="cannot view"):
         torch.empty(0, dtype=torch.int32, device="tpu").set_(s, 0, (6,), (1,))
+    # Reads download, as a CUDA storage's do; writing its bytes is refused.
+    assert s[7] == (torch.arange(6.0) + 1).untyped_storage()[7]
     with pytest.raises(RuntimeError, match="no host memory"):
-        s[0]
+        s[0] = 1
     # Pickled (as multiprocessing would), it comes back as bytes on tpu.
     copied = pickle.loads(pickle.dumps(s))
     assert copied.device == s.device and copied.nbytes() == 24

@@ -158,6 +158,23 @@ def test_storage_byte_writes_raise_python_errors():
     assert not storage.is_pinned()
 
 
+def test_set_onto_a_tensor_or_nothing_and_as_strided_bounds(mode):
+    cpu, tpu = torch.arange(6.), torch.arange(6., device="tpu")
+    for t in (cpu, tpu):
+        alias = torch.empty(0, device=t.device).set_(t)
+        alias.add_(1)  # writes reach the tensor it was set to
+        assert alias.data_ptr() == t.data_ptr()
+        empty = t.clone().set_()
+        assert empty.shape == (0,) and empty.stride() == (1,)
+        with pytest.raises(RuntimeError, match="Could not set tensor of type"):
+            torch.empty(0, dtype=torch.int64, device=t.device).set_(t)
+        with pytest.raises(RuntimeError, match="out of bounds for storage of size 24"):
+            t.as_strided((10,), (1,))
+    assert_same(tpu, cpu)
+    assert_same(tpu.view(torch.uint8)[4:8], cpu.view(torch.uint8)[4:8])
+    assert_same(tpu[2:].as_strided((2,), (3,), 1), cpu[2:].as_strided((2,), (3,), 1))
+
+
 _CRASH_PATHS = """
 import copy, pickle, torch, torchtpu
 from torch import nn

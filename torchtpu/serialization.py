@@ -393,6 +393,24 @@ def _set_storage(t, source, storage_offset=0, size=None, stride=None):
     return t
 
 
+def _set_tensor(t, source):
+    """aten.set_ of a tpu tensor onto another tensor: t aliases it."""
+    if not isinstance(source, TpuTensor):
+        raise RuntimeError(f"Expected a tensor on {t.device} for set_ of a tpu tensor, got one on "
+                           f"{source.device}")
+    if source.dtype != t.dtype:
+        raise RuntimeError(f"Could not set tensor of type {t.dtype} to a tensor of type {source.dtype}")
+    return _set_storage(t, untyped_storage(source), source.storage_offset(), source.shape,
+                        source.stride())
+
+
+def _set_empty(t):
+    """aten.set_ with no source: t views a new empty storage, as on CPU."""
+    empty = TpuTensor(Storage(jnp.zeros((0,), runtime.jax_dtype(t.dtype)), t._storage.device), (0,),
+                      t.dtype)
+    return _set_tensor(t, empty)
+
+
 def _tag(storage):
     if isinstance(storage, _OnTpu):
         return str(storage.device)
@@ -451,6 +469,8 @@ def install():
     TpuTensor.data_ptr = data_ptr
     dispatch.SPECIAL[aten.set_.source_Storage_storage_offset] = _set_storage
     dispatch.SPECIAL[aten.set_.source_Storage] = _set_storage
+    dispatch.SPECIAL[aten.set_.source_Tensor] = _set_tensor
+    dispatch.SPECIAL[aten.set_.default] = _set_empty
     torch.serialization.register_package(_PACKAGE_PRIORITY, _tag, _restore)
     if importlib.util.find_spec("safetensors") is not None:
         _patch_safetensors()  # importing it costs about a millisecond

@@ -424,6 +424,8 @@ def _run_view(plan, args, kwargs):
         out = plan.func(base, *args[1:], **kwargs)
         leaves = []
         template = _flatten(out, leaves)
+        for m in leaves:
+            _check_in_storage(m, numel * src.dtype.itemsize)
         specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset(),
                              (m.dtype, storage_shape, _view_of(m, storage_shape, storage_dtype),
                               src._key[3]))
@@ -444,6 +446,17 @@ def _views(storage, template, leaves):
     if template is ...:
         return view_tensor(storage, *leaves[0])
     return _unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])
+
+
+def _check_in_storage(m, nbytes):
+    """CPU's error for a view (as_strided) reaching past its storage's
+    nbytes, which a meta storage does not check."""
+    size = m.element_size()
+    end = m.storage_offset() + sum((n - 1) * st for n, st in zip(m.shape, m.stride())) + 1
+    if m.numel() and end * size > nbytes:
+        raise RuntimeError(f"setStorage: sizes {list(m.shape)}, strides {list(m.stride())}, storage "
+                           f"offset {m.storage_offset()}, and itemsize {size} requiring a storage "
+                           f"size of {end * size} are out of bounds for storage of size {nbytes}")
 
 
 def _view_of(m, storage_shape, storage_dtype):
