@@ -326,3 +326,27 @@ def test_pickle_and_save_of_a_module_round_trip(tmp_path):
     for m in (again, loaded):
         assert all(p.is_tpu and isinstance(p, nn.Parameter) for p in m.parameters())
         assert_same(m(x.to("tpu")), cpu(x), atol=1e-5, rtol=1e-5)
+
+
+def test_ema_and_swa_with_update_bn_as_on_cpu():
+    # torch.optim.swa_utils as its docs show it: an EMA model over
+    # parameters and buffers, SWALR, and update_bn over a loader.
+    from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn, update_bn
+    torch.manual_seed(0)
+    cpu = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    outs = []
+    for model, device in ((cpu, "cpu"), (copy.deepcopy(cpu).to("tpu"), "tpu")):
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = SWALR(opt, swa_lr=0.05)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(16, 4, generator=g).to(device), torch.randn(16, 1, generator=g).to(device)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+            ema.update_parameters(model)
+        update_bn([torch.randn(16, 4, generator=g).to(device) for _ in range(2)], ema)
+        outs.append(ema.eval()(torch.linspace(-1, 1, 12).reshape(3, 4).to(device)))
+    assert_same(outs[1], outs[0].detach(), atol=1e-5, rtol=1e-5)
