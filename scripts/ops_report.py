@@ -340,8 +340,10 @@ def main():
     print_summary(table)
     print(f"\n{len(results)} checks in {time.time() - t0:.0f}s")
     if args.markdown:
+        from modules_report import modules_section  # its section of the file stays
+        keep = modules_section(args.markdown)
         with open(args.markdown, "w") as f:
-            f.write(markdown(results, table, meta))
+            f.write(markdown(results, table, meta) + ("\n" + keep if keep else ""))
     if args.write_expected:
         write_expected(results, args.write_expected)
 
