@@ -12,12 +12,8 @@ CPU fallback (values match CPU).
 EXPECTED_FAILURES = {
     ('logcumsumexp', 'float32', 'backward'):
         "samples hold 1e4: CPU's backward, exp(reverse_logcumsumexp(log|g| - out) + x), cancels two values near 1e4 (ulp 1e-3) before exp, so the last-bit difference between CPU's sequential scan and the parallel scan here becomes ~1e-3 relative (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 6 / 125 (4.8%))",
-    ('matrix_exp', 'bfloat16', 'forward'):
-        "CPU's own bf16 kernel returns inf/nan (it reads its double coefficients as bf16) (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 25 / 25 (100.0%))",
     ('matrix_exp', 'float32', 'backward'):
         "outputs near 1e5 after 5-6 squarings: CPU's own error against the exact value (~0.05) is beyond the default tolerance; only MKL's exact product order would match (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 4 / 25 (16.0%))",
-    ('matrix_exp', 'float32', 'forward'):
-        "outputs near 1e5 after 5-6 squarings: CPU's own error against the exact value (~0.05) is beyond the default tolerance; only MKL's exact product order would match (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 22 / 125 (17.6%))",
     ('sparse.mm.reduce', 'bfloat16', 'forward'):
         'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
     ('sparse.mm.reduce', 'float32', 'backward'):

@@ -350,3 +350,24 @@ def test_ema_and_swa_with_update_bn_as_on_cpu():
         update_bn([torch.randn(16, 4, generator=g).to(device) for _ in range(2)], ema)
         outs.append(ema.eval()(torch.linspace(-1, 1, 12).reshape(3, 4).to(device)))
     assert_same(outs[1], outs[0].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_loaded_tensor_is_its_whole_storage():
+    # A tensor rebuilt by pickle or torch.load over all of its saved bytes is
+    # its storage array, as one made on tpu is (same kernel key, so the
+    # original's kernels serve it, not a view's). Views saved with it still
+    # view the same storage.
+    import io
+    w = torch.randn(8, 10, device="tpu")
+    buffer = io.BytesIO()
+    torch.save({"w": w, "rows": w[1:3], "t": w.t()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert loaded["w"]._view is None and loaded["w"]._key == w._key
+    assert_same(loaded["w"] * 2 + 1, (w * 2 + 1).cpu())
+    loaded["w"].add_(1)
+    assert_same(loaded["rows"], w[1:3].cpu() + 1)
+    assert_same(loaded["t"], w.t().cpu() + 1)
+    alone = pickle.loads(pickle.dumps(w[2:]))  # a view pickled alone: its storage stays flat
+    assert_same(alone, w[2:].cpu())
+    assert pickle.loads(pickle.dumps(w))._key == w._key

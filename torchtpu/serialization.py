@@ -234,16 +234,22 @@ class LoadedStorage(_OnTpu):
     def _write_file(self, *args):
         return self._host._write_file(*args)
 
-    def _array(self, dtype):
-        numel = self.nbytes() // dtype.itemsize
-        return runtime.to_device(torch.empty(0, dtype=dtype).set_(self._host, 0, (numel,), (1,)),
-                                 runtime.DEVICES[self._index])
+    def _array(self, dtype, shape):
+        return runtime.to_device(torch.empty(0, dtype=dtype).set_(
+            self._host, 0, shape, contiguous_strides(shape)), runtime.DEVICES[self._index])
 
-    def upload(self, dtype):
+    def upload(self, dtype, shape=None):
+        """The tpu Storage of these bytes read as dtype; shape: that of the
+        first tensor rebuilt over them, if it covers them all (then it is
+        its whole storage array, not a view, as a tensor made on tpu is, and
+        its kernels are those of such a tensor), else flat."""
         uploads = self.__dict__.setdefault("_uploads", {})
         storage = uploads.get(dtype)
         if storage is None:
-            storage = uploads[dtype] = Storage(self._array(dtype), self._index)
+            numel = self.nbytes() // dtype.itemsize
+            if shape is None or math.prod(shape) != numel:
+                shape = (numel,)
+            storage = uploads[dtype] = Storage(self._array(dtype, shape), self._index)
         return storage
 
     def _set_from_file(self, *args):
@@ -251,7 +257,7 @@ class LoadedStorage(_OnTpu):
         # it are rebuilt (a CUDA storage takes them in place): upload again.
         result = self._host._set_from_file(*args)
         for dtype, storage in self.__dict__.get("_uploads", {}).items():
-            storage.assign(self._array(dtype))
+            storage.assign(self._array(dtype, storage.array.shape))
         return result
 
 
@@ -367,7 +373,9 @@ def _set_storage(t, source, storage_offset=0, size=None, stride=None):
     """aten.set_ of a tpu tensor onto a storage: a checkpoint's (uploaded) or
     another tpu tensor's (aliased); the rebuild of every saved tensor."""
     if isinstance(source, LoadedStorage):
-        storage = source.upload(t.dtype)
+        whole = (storage_offset == 0 and size is not None and
+                 (not stride or tuple(stride) == contiguous_strides(tuple(size))))
+        storage = source.upload(t.dtype, tuple(int(s) for s in size) if whole else None)
     elif isinstance(source, TpuStorage):
         if source._dtype != t.dtype:
             # CPU would reinterpret the bytes; a tpu storage's array has
