@@ -180,3 +180,29 @@ def assert_at_line(excinfo, source, path):
     assert tb.tb_frame.f_code.co_filename == path
     names = [e.path for e in excinfo.traceback]
     assert not any("/jax/" in str(n) or "/torchtpu/ops/" in str(n) for n in names)
+
+
+def judge_expected(key, result, failures, fallbacks, table):
+    """Pass, xfail or fail one result of a database suite (OpInfo, ModuleInfo)
+    against its expected lists in `table` (strict: an expected failure that
+    passes fails, so the lists only shrink). result has status, error and
+    fallbacks."""
+    known = failures.get(key)
+    if result.status == "skip":
+        if known:
+            pytest.fail(f"{key} is an expected failure but has nothing to check now "
+                        f"({result.error}): remove it from {table}")
+        pytest.skip(result.error)
+    if result.status == "fail":
+        if known:
+            pytest.xfail(known)
+        pytest.fail(f"{key}: {result.error}", pytrace=False)
+    if known:
+        pytest.fail(f"{key} passes now: remove it from EXPECTED_FAILURES in {table}", pytrace=False)
+    listed = fallbacks.get(key)
+    listed = set(listed.split(", ")) if listed else set()
+    actual = set(result.fallbacks)
+    if actual != listed:
+        pytest.fail(f"{key} runs {sorted(actual) or 'nothing'} on the CPU fallback, "
+                    f"{table} lists {sorted(listed) or 'nothing'}: "
+                    "update EXPECTED_FALLBACKS (it may only shrink)", pytrace=False)

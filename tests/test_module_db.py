@@ -28,6 +28,7 @@ from moduleinfo_common import (KINDS, MODULES, SEED, TOL, TOLERANCES, Failure,  
                                build, check, check_isolated, is_random, match, samples_of,
                                tolerance)
 from moduleinfo_expected import EXPECTED_FAILURES, EXPECTED_FALLBACKS  # noqa: E402
+from conftest import judge_expected  # noqa: E402
 
 SAMPLES = int(os.environ.get("TORCHTPU_MODULEINFO_SAMPLES", "1"))
 TIMEOUT = 120  # seconds per (module, kind); a hang is a failure, not a stuck CI
@@ -38,28 +39,8 @@ PARAMS = [pytest.param(name, kind, id=f"{name}-{kind}") for name in MODULES for 
 
 
 def judge(result):
-    """Pass, xfail or fail one result against the expected lists (strict)."""
-    key = (result.module, result.kind)
-    known = EXPECTED_FAILURES.get(key)
-    if result.status == "skip":
-        if known:
-            pytest.fail(f"{key} is an expected failure but has nothing to check now "
-                        f"({result.error}): remove it from tests/moduleinfo_expected.py")
-        pytest.skip(result.error)
-    if result.status == "fail":
-        if known:
-            pytest.xfail(known)
-        pytest.fail(f"{key}: {result.error}", pytrace=False)
-    if known:
-        pytest.fail(f"{key} passes now: remove it from EXPECTED_FAILURES in "
-                    "tests/moduleinfo_expected.py", pytrace=False)
-    listed = EXPECTED_FALLBACKS.get(key)
-    listed = set(listed.split(", ")) if listed else set()
-    actual = set(result.fallbacks)
-    if actual != listed:
-        pytest.fail(f"{key} runs {sorted(actual) or 'nothing'} on the CPU fallback, "
-                    f"tests/moduleinfo_expected.py lists {sorted(listed) or 'nothing'}: "
-                    "update EXPECTED_FALLBACKS (it may only shrink)", pytrace=False)
+    judge_expected((result.module, result.kind), result, EXPECTED_FAILURES, EXPECTED_FALLBACKS,
+                   "tests/moduleinfo_expected.py")
 
 
 @pytest.mark.parametrize("name,kind", PARAMS)

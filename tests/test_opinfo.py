@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from opinfo_common import (OPS, TOLERANCES, UNINITIALIZED_OPS, RANDOM_OPS,  # noqa: E402
                            Result, check, op_id, op_db)
 from opinfo_expected import EXPECTED_FAILURES, EXPECTED_FALLBACKS  # noqa: E402
+from conftest import judge_expected  # noqa: E402
 
 SAMPLES = int(os.environ.get("TORCHTPU_OPINFO_SAMPLES", "2"))
 TIMEOUT = 600  # seconds per (op, dtype, kind); a hang is a failure, not a stuck CI
@@ -55,28 +56,8 @@ BACKWARD = list(_backward_params())
 
 
 def judge(result):
-    """Pass, xfail or fail one result against the expected lists (strict)."""
-    key = (result.op, result.dtype, result.kind)
-    known = EXPECTED_FAILURES.get(key)
-    if result.status == "skip":
-        if known:
-            pytest.fail(f"{key} is an expected failure but has nothing to check now "
-                        f"({result.error}): remove it from tests/opinfo_expected.py")
-        pytest.skip(result.error)
-    if result.status == "fail":
-        if known:
-            pytest.xfail(known)
-        pytest.fail(f"{key}: {result.error}", pytrace=False)
-    if known:
-        pytest.fail(f"{key} passes now: remove it from EXPECTED_FAILURES in "
-                    "tests/opinfo_expected.py", pytrace=False)
-    listed = EXPECTED_FALLBACKS.get(key)
-    listed = set(listed.split(", ")) if listed else set()
-    actual = set(result.fallbacks)
-    if actual != listed:
-        pytest.fail(f"{key} runs {sorted(actual) or 'nothing'} on the CPU fallback, "
-                    f"tests/opinfo_expected.py lists {sorted(listed) or 'nothing'}: "
-                    "update EXPECTED_FALLBACKS (it may only shrink)", pytrace=False)
+    judge_expected((result.op, result.dtype, result.kind), result, EXPECTED_FAILURES, EXPECTED_FALLBACKS,
+                   "tests/opinfo_expected.py")
 
 
 def run_check(op, dtype, kind):
