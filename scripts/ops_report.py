@@ -20,13 +20,13 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from shards import run_shards  # noqa: E402 (beside this script)
 
 ALL_DTYPES = "float32,int64,bool,bfloat16"
 
@@ -125,42 +125,14 @@ def run_local(args, jsonl=None):
 
 
 def run_parallel(args):
-    """Shard the jobs over worker processes; a worker that crashes (a hard
-    abort inside a kernel) records the job it was on as failed and restarts."""
-    argv = list(sys.argv[1:])
-    for opt in ("--json", "--markdown", "--write-expected", "--jobs", "--from-json"):
-        while opt in argv:
-            i = argv.index(opt)
-            del argv[i:i + 2]
-    tmp = tempfile.mkdtemp(prefix="ops_report_")
-    outs = [os.path.join(tmp, f"shard{i}.jsonl") for i in range(args.jobs)]
-
-    def start(i):
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--quiet",
-               "--shard", f"{i}/{args.jobs}", "--jsonl", outs[i]]
-        return subprocess.Popen(cmd)
-    procs = {i: start(i) for i in range(args.jobs)}
-    while procs:
-        time.sleep(0.5)
-        for i, p in list(procs.items()):
-            rc = p.poll()
-            if rc is None:
-                continue
-            del procs[i]
-            cur = outs[i] + ".current"
-            if rc != 0 and os.path.exists(cur):
-                with open(cur) as f:
-                    op, dtype, kind = json.load(f)
-                d = dict(op=op, dtype=dtype, kind=kind, status="fail",
-                         error=f"process crashed (exit code {rc})", fallbacks=[], samples=0)
-                with open(outs[i], "a") as f:
-                    f.write(json.dumps(d) + "\n")
-                os.remove(cur)
-                procs[i] = start(i)
-    results = []
-    for out in outs:
-        with open(out) as f:
-            results += [json.loads(line) for line in f]
+    """Shard the jobs over worker processes (shards.run_shards)."""
+    def crashed(job, rc):
+        op, dtype, kind = job
+        return dict(op=op, dtype=dtype, kind=kind, status="fail",
+                    error=f"process crashed (exit code {rc})", fallbacks=[], samples=0)
+    results = run_shards(__file__, sys.argv[1:], args.jobs,
+                         ("--json", "--markdown", "--write-expected", "--jobs", "--from-json"),
+                         crashed, "ops_report_")
     results.sort(key=lambda d: (d["op"], d["dtype"] != "float32", d["dtype"], d["kind"]))
     if not args.quiet:
         for d in results:
