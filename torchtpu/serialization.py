@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import torch
 
 from . import dispatch, modes, properties, runtime
-from .tensor import (DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, contiguous_strides,
-                     storage_dtype, view_tensor, whole_tensor)
+from .tensor import (DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, check_in_storage,
+                     contiguous_strides, storage_dtype, view_tensor, whole_tensor)
 
 aten = torch.ops.aten
 
@@ -389,12 +389,7 @@ def _set_storage(t, source, storage_offset=0, size=None, stride=None):
     numel = math.prod(storage.array.shape)
     size = (numel,) if size is None else tuple(int(s) for s in size)
     stride = contiguous_strides(size) if not stride else tuple(int(s) for s in stride)
-    end = storage_offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
-    if math.prod(size) and end > numel:
-        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage "
-                           f"offset {storage_offset}, and itemsize {t.element_size()} requiring a "
-                           f"storage size of {end * t.element_size()} are out of bounds for "
-                           f"storage of size {numel * t.element_size()}")
+    check_in_storage(size, stride, storage_offset, t.element_size(), numel * t.element_size())
     new = TpuTensor(storage, size, t.dtype, stride, storage_offset)
     torch._C.TensorBase.data.__set__(t, new)
     t._storage, t._view, t._key = new._storage, new._view, new._key

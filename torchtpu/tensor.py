@@ -191,6 +191,16 @@ def storage_dtype(t):
     return t.dtype if t._view is None or len(t._view) == 3 else t._view[4]
 
 
+def check_in_storage(shape, stride, offset, itemsize, nbytes):
+    """CPU's error for a tensor whose elements (shape, stride, offset, in
+    elements of itemsize bytes) reach past a storage of nbytes."""
+    end = offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+    if math.prod(shape) and end * itemsize > nbytes:
+        raise RuntimeError(f"setStorage: sizes {list(shape)}, strides {list(stride)}, storage "
+                           f"offset {offset}, and itemsize {itemsize} requiring a storage "
+                           f"size of {end * itemsize} are out of bounds for storage of size {nbytes}")
+
+
 def whole_tensor(storage, shape, dtype, requires_grad=False, cls=None):
     """A tensor that is its whole storage array (same shape, no view); shape
     a tuple. A plain function: every op result is made here, and calling

@@ -21,7 +21,8 @@ from torch._decomp import decomposition_table
 from .. import advisor, bounds, cache, errors, metrics, modes, runtime
 from ..modes import checks
 from ..ops import random as rng
-from ..tensor import GrownStorage, Lost, Storage, TpuTensor, contiguous_strides, make_view, view_tensor, whole_tensor
+from ..tensor import (GrownStorage, Lost, Storage, TpuTensor, check_in_storage, contiguous_strides, make_view,
+                      storage_dtype, view_tensor, whole_tensor)
 from .host import download, host_values, to_tpu
 from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
                       _physical_order, _run_meta, _spec, _unflatten, first_device, grown_readable,
@@ -415,19 +416,19 @@ def _run_view(plan, args, kwargs):
            _hashable(tuple(kwargs.items())) if kwargs else ())
     specs = plan.view_cache.get(key)
     if specs is None:
-        storage_shape, src_view = src._key[1], src._key[2]
-        # The storage's dtype: src's, unless src views its bytes as another.
-        storage_dtype = src.dtype if src_view is None or len(src_view) == 3 else src_view[4]
-        numel = math.prod(storage_shape) * storage_dtype.itemsize // src.dtype.itemsize
+        storage_shape, base_dtype = src._key[1], storage_dtype(src)
+        numel = math.prod(storage_shape) * base_dtype.itemsize // src.dtype.itemsize
         base = torch.empty(numel, dtype=src.dtype, device="meta").as_strided(
             src.shape, src.stride(), src.storage_offset())
         out = plan.func(base, *args[1:], **kwargs)
         leaves = []
         template = _flatten(out, leaves)
         for m in leaves:
-            _check_in_storage(m, numel * src.dtype.itemsize)
+            # (A meta storage does not check that an as_strided view fits.)
+            check_in_storage(m.shape, m.stride(), m.storage_offset(), m.element_size(),
+                             numel * src.dtype.itemsize)
         specs = (template, [(tuple(m.shape), m.stride(), m.storage_offset(),
-                             (m.dtype, storage_shape, _view_of(m, storage_shape, storage_dtype),
+                             (m.dtype, storage_shape, _view_of(m, storage_shape, base_dtype),
                               src._key[3]))
                             for m in leaves])
         plan.view_cache[key] = specs
@@ -446,17 +447,6 @@ def _views(storage, template, leaves):
     if template is ...:
         return view_tensor(storage, *leaves[0])
     return _unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])
-
-
-def _check_in_storage(m, nbytes):
-    """CPU's error for a view (as_strided) reaching past its storage's
-    nbytes, which a meta storage does not check."""
-    size = m.element_size()
-    end = m.storage_offset() + sum((n - 1) * st for n, st in zip(m.shape, m.stride())) + 1
-    if m.numel() and end * size > nbytes:
-        raise RuntimeError(f"setStorage: sizes {list(m.shape)}, strides {list(m.stride())}, storage "
-                           f"offset {m.storage_offset()}, and itemsize {size} requiring a storage "
-                           f"size of {end * size} are out of bounds for storage of size {nbytes}")
 
 
 def _view_of(m, storage_shape, storage_dtype):
