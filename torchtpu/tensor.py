@@ -365,15 +365,9 @@ def _finish(core, dims, shape, stride):
 
 def read_view_at(arr, view, offset):
     """read_view of a (shape, stride) view at an offset known only when the
-    kernel runs (a dynamic scalar): a view of a grown storage."""
-    shape, stride = view
-    flat = arr.reshape(-1)
-    n = math.prod(shape)
-    if n == 0:
-        return jnp.zeros(shape, flat.dtype)
-    if _is_contiguous(shape, stride):
-        return lax.dynamic_slice(flat, (jnp.asarray(offset, jnp.int64),), (n,)).reshape(shape)
-    return flat[_flat_indices(shape, stride, offset)]
+    kernel runs (a dynamic scalar): a view of a grown storage, or one whose
+    position moves from call to call (data[i:i + n])."""
+    return _read_flat(arr.reshape(-1), view[0], view[1], offset)
 
 def _flat_indices(shape, stride, offset):
     idx = jnp.asarray(offset, dtype=jnp.int64)
@@ -431,14 +425,22 @@ def read_view(arr, view):
     flat = arr.reshape(-1)
     if len(view) == 5:
         flat = reinterpret_as(flat, view[4], view[3])
-    shape, stride, offset = view[:3]
+    return _read_flat(flat, *view[:3])
+
+
+def _read_flat(flat, shape, stride, offset):
+    """The elements a (shape, stride, offset) view selects of a flat array;
+    offset an int, or a traced scalar (the view is in bounds either way)."""
     n = math.prod(shape)
     if n == 0:
         return jnp.zeros(shape, flat.dtype)
+    static = isinstance(offset, int)
     if _is_contiguous(shape, stride):
-        if offset == 0 and n == flat.shape[0]:
+        if n == flat.shape[0]:
             return flat.reshape(shape)
-        return lax.slice(flat, (offset,), (offset + n,)).reshape(shape)
+        if static:
+            return lax.slice(flat, (offset,), (offset + n,)).reshape(shape)
+        return lax.dynamic_slice(flat, (offset,), (n,)).reshape(shape)
     dims = _dense_chain(shape, stride)
     if dims is None:
         return flat[_flat_indices(shape, stride, offset)]
@@ -446,13 +448,22 @@ def read_view(arr, view):
         return jnp.broadcast_to(flat[offset], shape)
     top = dims[0]
     need = shape[top] * stride[top]
-    window = flat[offset:offset + need]
-    if window.shape[0] < need:
-        window = jnp.pad(window, (0, need - window.shape[0]))
+    # The window of whole rows of the top dim may reach past the storage's
+    # end (x[:, :5] of the last rows): padded there.
+    reach = offset + need - flat.shape[0] if static else need - _extent(shape, stride)
+    if reach > 0:
+        flat = jnp.pad(flat, (0, reach))
+    window = (lax.slice(flat, (offset,), (offset + need,)) if static
+              else lax.dynamic_slice(flat, (offset,), (need,)))
     dense = [shape[top]] + [stride[a] // stride[b] for a, b in zip(dims, dims[1:])] + [stride[dims[-1]]]
     window = window.reshape(dense)
     index = (slice(None),) + tuple(slice(0, shape[b]) for b in dims[1:]) + (0,)
     return _finish(window[index], dims, shape, stride)
+
+
+def _extent(shape, stride):
+    """How many elements from its first a non-empty view reaches."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
 def write_view(arr, view, value):
@@ -466,6 +477,12 @@ def write_view(arr, view, value):
     return _write_flat(arr.reshape(-1), view, value).reshape(arr.shape)
 
 
+def write_view_at(arr, view, offset, value):
+    """write_view of a (shape, stride) view at an offset known only when the
+    kernel runs (buf[i:i + n] = x at a moving i)."""
+    return _write_flat(arr.reshape(-1), (*view, offset), value).reshape(arr.shape)
+
+
 def _write_flat(flat, view, value):
     shape, stride, offset = view
     value = jnp.broadcast_to(value.astype(flat.dtype), shape)
@@ -473,7 +490,7 @@ def _write_flat(flat, view, value):
     if n == 0:
         return flat
     if _is_contiguous(shape, stride):
-        if offset == 0 and n == flat.shape[0]:
+        if n == flat.shape[0]:
             return value.reshape(-1)
         return lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
     idx = _flat_indices(shape, stride, offset)

@@ -26,7 +26,7 @@ from ..tensor import (GrownStorage, Lost, Storage, TpuTensor, check_in_storage, 
 from .host import download, host_values, to_tpu
 from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
                       _physical_order, _run_meta, _spec, _unflatten, first_device, grown_readable,
-                      kernel_device, meta_outcome, written_checked)
+                      kernel_device, meta_outcome, offsets_fed, written_checked)
 from .plans import _INDICES, SPECIAL, Plan
 
 aten = torch.ops.aten
@@ -208,6 +208,16 @@ def _run_lowered(plan, args, kwargs):
     # The plan stands for its op in the key: it hashes by identity, in C.
     key = (plan, pos_specs, kw_specs)
     entry = cache.lookup(key)
+    dynamic = call.dynamic if call is not None else ()
+    if entry is None:
+        # Offsets are data: an op met again with its views at new offsets
+        # (data[i:i + n] at a moving i) runs one kernel taking them at run time.
+        fed = offsets_fed(pos_specs, kw_specs, dynamic)
+        if fed is not None:
+            general = (plan, fed[0], fed[1])
+            if cache.served_generally(general, key):
+                pos_specs, kw_specs, dynamic, key = fed[0], fed[1], fed[2], general
+                entry = cache.lookup(key)
     if entry is None:
         device = kernel_device(pos_specs, kw_specs)  # (raises CUDA's error for two devices)
         if plan.kind == "mutate":
@@ -245,8 +255,8 @@ def _run_lowered(plan, args, kwargs):
         flag = bounds.flag_input(ex.name == "debug", kernel.device)
         storages.append(flag)
         arrays.append(flag.array)
-    if call is not None and call.dynamic:
-        flat.extend(call.dynamic)
+    if dynamic:
+        flat.extend(dynamic)
     if plan.random:
         flat.extend(rng.next_key())
     if ex.name == "debug" or errors.CHECK_NANS:
@@ -406,6 +416,9 @@ def _run_view_inplace(plan, args, kwargs):
     return src
 
 
+_VIEW_CACHE_ENTRIES = 4096
+
+
 def _run_view(plan, args, kwargs):
     src = args[0]
     if not isinstance(src, TpuTensor):
@@ -431,6 +444,9 @@ def _run_view(plan, args, kwargs):
                              (m.dtype, storage_shape, _view_of(m, storage_shape, base_dtype),
                               src._key[3]))
                             for m in leaves])
+        if len(plan.view_cache) >= _VIEW_CACHE_ENTRIES:
+            # Bounded: a slice at a moving offset makes a new key each step.
+            del plan.view_cache[next(iter(plan.view_cache))]
         plan.view_cache[key] = specs
     template, leaves = specs
     metrics.M.ops_dispatched += 1

@@ -38,9 +38,14 @@ def device_array(t):
     arr = modes.current().concrete(storage)
     if type(arr) is Lost:
         arr.fail()
-    if t._view is None:
+    view = t._view
+    if view is None:
         return arr
-    return _reader(t._view)(arr)
+    if len(view) == 3:
+        # At its offset fed at run time: one reader per view shape, not per
+        # position (print(data[i]) at a moving i).
+        return _reader_at(view[:2])(arr, view[2])
+    return _reader(view)(arr)
 
 
 def _host_array(t):

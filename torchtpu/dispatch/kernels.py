@@ -13,7 +13,7 @@ from .. import bounds, cache, properties, runtime
 from ..ops import ctx
 from ..ops import random as rng
 from ..tensor import (DEVICES, GrownStorage, TpuTensor, _is_contiguous, contiguous_strides, grown_view,
-                      read_view, read_view_at, write_view)
+                      read_view, read_view_at, write_view, write_view_at)
 from .host import to_tpu
 from .plans import _DYNAMIC_SCALAR_TYPES, _INDICES, _SCALARS
 
@@ -208,24 +208,57 @@ def kernel_device(pos_specs, kw_specs):
     return properties.current_index() if found is None else found
 
 
-def _materialize(spec, arrays, scalars):
+def _materialize(spec, arrays, scalars, offsets):
+    """An argument's value in the kernel; offsets: id(spec) -> the offset fed
+    for each "d" spec (an op writing such a view writes it there)."""
     kind = spec[0]
     if kind == "t":
         return read_view(arrays[spec[1]], spec[4])
     if kind == "d":
-        return read_view_at(arrays[spec[1]], spec[4], next(scalars))
+        offset = offsets[id(spec)] = next(scalars)
+        return read_view_at(arrays[spec[1]], spec[4], offset)
     if kind == "s":
         return next(scalars)
     if kind == "l":
-        return [_materialize(s, arrays, scalars) for s in spec[1]]
+        return [_materialize(s, arrays, scalars, offsets) for s in spec[1]]
     value = spec[1]
     return list(value) if isinstance(value, tuple) else value
+
+
+def offsets_fed(pos_specs, kw_specs, dynamic):
+    """Offsets as data: the specs with each tensor argument that views its
+    storage at some offset read at an offset fed at run time ("d" specs, as
+    a grown storage's views are), and the dynamic scalars with those offsets
+    in their places; None when no argument is such a view. A kernel of
+    these specs serves the op at every position of its views (data[i:i + n]
+    at a moving i) with one compilation."""
+    old, new = iter(dynamic), []
+
+    def fed(spec):
+        kind = spec[0]
+        if kind == "t":
+            view = spec[4]
+            if view is None or len(view) != 3:
+                return spec  # the whole storage, or a dtype view
+            new.append(view[2])
+            return ("d", spec[1], spec[2], spec[3], view[:2], spec[5])
+        if kind == "d" or kind == "s":
+            new.append(next(old))
+        elif kind == "l":
+            return ("l", tuple([fed(s) for s in spec[1]]))
+        return spec
+
+    pos = tuple([fed(s) for s in pos_specs])
+    kw = tuple([(k, fed(s)) for k, s in kw_specs])
+    if len(new) == len(dynamic):
+        return None
+    return pos, kw, new
 
 
 def _spec_contiguous(spec):
     """Whether a positional tensor argument is contiguous in PyTorch's sense
     (part of the kernel key, so a lowering may depend on it)."""
-    if spec[0] != "t":
+    if spec[0] != "t" and spec[0] != "d":
         return None
     view = spec[4]
     return view is None or _is_contiguous(view[0], view[1])
@@ -267,8 +300,9 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, 
         arrays = list(flat[:n_storages])
         # A checked kernel takes the index-bounds flag so far after the storages.
         scalars = iter(flat[n_storages + (bound is not None):])
-        args = [_materialize(s, arrays, scalars) for s in pos_specs]
-        kwargs = {k: _materialize(s, arrays, scalars) for k, s in kw_specs}
+        offsets = {}
+        args = [_materialize(s, arrays, scalars, offsets) for s in pos_specs]
+        kwargs = {k: _materialize(s, arrays, scalars, offsets) for k, s in kw_specs}
         if plan.kind == "mutate":
             _drop_out_args(plan, args, kwargs)
         if plan.random:
@@ -293,7 +327,10 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, 
                 slot, dtype, view = spec[1], spec[2], spec[4]
                 if dtype == torch.complex32:
                     value = runtime.fit_to(value.astype(jnp.complex64), dtype)
-                arrays[slot] = write_view(arrays[slot], view, value)
+                if spec[0] == "d":
+                    arrays[slot] = write_view_at(arrays[slot], view, offsets[id(spec)], value)
+                else:
+                    arrays[slot] = write_view(arrays[slot], view, value)
             kernel.out_tree = template
             if flag is not None:
                 leaves.append(flag)
@@ -318,7 +355,7 @@ def _flat_written(written):
     for spec in written:
         if spec[0] == "l":
             out.extend(spec[1])
-        elif spec[0] == "t":
+        elif spec[0] == "t" or spec[0] == "d":
             # Not an empty list (a fused Adam's max_exp_avg_sqs without amsgrad).
             out.append(spec)
     return out
