@@ -1,6 +1,10 @@
 """No recompile storms: views and writes whose shape is fixed but whose
 position moves compile once per shape (offsets are data), in every mode,
 with CPU's values."""
+import threading
+import warnings
+
+import pytest
 import torch
 import torch.nn as nn
 
@@ -98,3 +102,120 @@ def test_writes_at_a_moving_offset(mode):
             before = _compilations()
     torchtpu.sync()
     assert _compilations() == before
+
+
+# ---- tiered compilation (fused mode) ----------------------------------------
+
+@pytest.fixture
+def tiered(monkeypatch):
+    """Fused mode with every graph compiled in the background (not only
+    large ones), and the compile thread held until release() is called: the
+    steps before it run op by op, deterministically."""
+    from torchtpu import background
+    monkeypatch.setenv("TORCHTPU_FUSED_COMPILE", "background")
+    monkeypatch.setenv("TORCHTPU_FUSED_BACKGROUND_OPS", "1")
+    gate = threading.Event()
+    background.submit(gate.wait)
+    previous = torchtpu.get_eager_mode()
+    torchtpu.set_eager_mode("fused")
+    torchtpu.metrics.reset()
+
+    def release():
+        gate.set()
+        torchtpu.wait_for_compiles()
+    yield release
+    gate.set()
+    torchtpu.wait_for_compiles()
+    torchtpu.set_eager_mode(previous)
+
+
+def _mlp_training(device, steps, between=None, fail_at=None):
+    """Losses and final weights of an MLP trained by Adam; between(step) is
+    called after each step; at step fail_at, the step raises a shape error
+    half-way through its forward (caught, and the step skipped)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 6, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)
+    losses = []
+    for step in range(steps):
+        h = model[1](model[0](x))
+        if step == fail_at:
+            with pytest.raises(RuntimeError):
+                h @ torch.ones(5, 2, device=device)
+            opt.zero_grad()
+            continue
+        loss = nn.functional.mse_loss(model[2](h), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if between is not None:
+            between(step)
+    return torch.tensor(losses), [p.detach().to("cpu") for p in model.parameters()]
+
+
+def test_tiered_steps_run_op_by_op_then_fused_with_cpu_results(tiered):
+    from torchtpu.modes.fused import STATS
+
+    def between(step):
+        if step == 5:
+            assert STATS.run_first_met >= 1 and STATS.run_while_compiling >= 1
+            assert STATS.graphs_compiled >= 1
+            tiered()  # the graphs are compiled: later steps run them
+            STATS.graph_cache_hits = 0
+            STATS.run_while_compiling = 0
+    losses, params = _mlp_training("tpu", 10, between, fail_at=2)
+    assert STATS.graph_cache_hits >= 4 and STATS.run_while_compiling == 0
+    cpu_losses, cpu_params = _mlp_training("cpu", 10, fail_at=2)
+    torch.testing.assert_close(losses, cpu_losses)
+    for a, b in zip(params, cpu_params):
+        torch.testing.assert_close(a, b)
+
+
+def test_tiered_graph_whose_compile_fails_runs_op_by_op(tiered, monkeypatch):
+    from torchtpu import background, cache
+    from torchtpu.modes.fused import STATS
+
+    # Graphs no earlier test or run compiled (in memory, or stored on disk).
+    cache.clear()
+    monkeypatch.setattr(cache, "_disk", lambda: None)
+
+    def failing():
+        raise RuntimeError("XLA ran out of something")
+    submit = background.submit
+    monkeypatch.setattr(background, "submit", lambda work: submit(failing))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiered()
+        losses, params = _mlp_training("tpu", 6)
+    failed = [w for w in caught if "failed to compile" in str(w.message)]
+    assert failed and "XLA ran out of something" in str(failed[0].message)
+    assert STATS.graph_cache_hits >= 2  # later flushes: op by op, without warning again
+    assert len(failed) == STATS.fused_fallbacks
+    monkeypatch.undo()
+    cpu_losses, cpu_params = _mlp_training("cpu", 6)
+    torch.testing.assert_close(losses, cpu_losses)
+    for a, b in zip(params, cpu_params):
+        torch.testing.assert_close(a, b)
+
+
+def test_tiered_op_error_raises_at_the_flush_and_loses_only_its_results(tiered, monkeypatch):
+    """An op failing in an op-by-op run (here, its kernel) raises at the
+    sync point, marks what it feeds lost, and keeps everything else."""
+    from torchtpu.modes import fused as fused_mode
+
+    def failing_exp(kernel, args):
+        if "exp" in kernel.name:
+            raise RuntimeError("op failed")
+        return kernel.jitted(*args)
+    monkeypatch.setattr(fused_mode, "_call_jitted", failing_exp)
+    x = torch.arange(4.0).to("tpu")
+    a = x * 1.25 + 0.5
+    b = a.exp()
+    with pytest.raises(RuntimeError, match="op failed"):
+        b.cpu()
+    torch.testing.assert_close(a.cpu(), torch.arange(4.0) * 1.25 + 0.5)
+    with pytest.raises(RuntimeError, match="has no value"):
+        b.cpu()

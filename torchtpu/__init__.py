@@ -43,13 +43,15 @@ if _dist.is_available():
 # sync: all issued work, uploads from pinned memory included (streams.synchronize).
 from .device import get_device, synchronize as sync  # noqa: E402
 from .modes import eager_mode, get_eager_mode, set_eager_mode  # noqa: E402
+# Wait for the fused graphs compiling in the background (tiered compilation).
+from .background import wait as wait_for_compiles  # noqa: E402
 from .tensor import TpuTensor  # noqa: E402
 from .kernels import custom_jax_kernel  # noqa: E402
 # `%load_ext torchtpu` in IPython: the %tpu_mode and %tpu_metrics magics.
 from .ipython import load_ipython_extension  # noqa: E402,F401
 
 __all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "sync",
-           "TpuTensor", "metrics", "cache", "custom_jax_kernel"]
+           "wait_for_compiles", "TpuTensor", "metrics", "cache", "custom_jax_kernel"]
 __version__ = "0.1.0"
 
 cache.start_prefetch()  # loads, on a thread, what the last run's start-up loaded

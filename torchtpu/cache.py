@@ -46,7 +46,7 @@ import warnings
 import jax
 from jax import monitoring
 
-from . import metrics
+from . import background, metrics
 from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
     CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, PROGRAM_PREFIX, STATS, TMP_PREFIX,
     VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
@@ -116,6 +116,10 @@ def _on_duration(event, duration, **kwargs):
         if getattr(_tl, "disk_hit", False):
             _tl.disk_hit = False
             STATS.disk_load_seconds += duration
+        elif background.on_compile_thread():
+            # Not time the program waited (tiered compilation, modes/fused.py).
+            STATS.background_compiles += 1
+            STATS.background_compile_seconds += duration
         else:
             metrics.M.compilations += 1
             metrics.M.compile_seconds += duration
@@ -425,11 +429,17 @@ class _FirstCall:
         return self.call(*args)
 
 
-def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0):
+def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when="first call"):
     """jit(fn) for arguments like args (a fused graph's) through a stored
     executable: key_text describes fn completely and the same way in every
-    process (None: not storable). Loads or compiles at the first call."""
+    process (None: not storable). when: "first call" loads or compiles it
+    then; "background" loads it now or compiles it on the compile thread,
+    and "stored" loads it now or gives None; both give a background.Job
+    whose value is the executable."""
     disk = _disk()
+    if when != "first call":
+        return _jit_in_background(fn, args, key_text, name or fn.__name__, donate_argnums, device, disk,
+                                  when == "background")
     if key_text is None or disk is None:
         return jit(fn, name, donate_argnums, device)
     name = name or fn.__name__
@@ -445,6 +455,32 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0):
         disk.put(key, _encode({}, compiled))
         return compiled
     return _FirstCall(resolve)
+
+
+def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, compile):
+    key = None
+    if key_text is not None and disk is not None:
+        key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
+        _note_startup(key, device)
+        _, compiled = _stored_executable(disk, key, device)
+        if compiled is not None:
+            STATS.programs_loaded += 1
+            return background.finished(compiled)
+    if not compile:
+        return None
+    # Shapes only: the thread must not keep the arrays (or their buffers) alive.
+    specs = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                       weak_type=getattr(x, "weak_type", False))
+        if isinstance(x, jax.Array) else x, args)
+
+    def work():
+        if key is None:
+            return jit(fn, name, donate_argnums, device).lower(*specs).compile()
+        compiled = _compile(fn, name, key, specs, donate_argnums, device)
+        disk.put(key, _encode({}, compiled))
+        return compiled
+    return background.submit(work)
 
 
 def jit_kernel(owner, fn, name, device=0):

@@ -339,6 +339,8 @@ class _Stats:
         self.traces_loaded = 0
         self.values_loaded = 0
         self.prefetched = 0
+        self.background_compiles = 0
+        self.background_compile_seconds = 0.0
 
     def snapshot(self):
         return {"memory_cache_misses": self.memory_misses,
@@ -350,7 +352,9 @@ class _Stats:
                 "kernels_loaded": self.kernels_loaded,
                 "traces_loaded": self.traces_loaded,
                 "values_loaded": self.values_loaded,
-                "prefetched": self.prefetched}
+                "prefetched": self.prefetched,
+                "background_compiles": self.background_compiles,
+                "background_compile_seconds": round(self.background_compile_seconds, 6)}
 
 
 STATS = _Stats()

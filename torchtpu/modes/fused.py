@@ -14,6 +14,16 @@ The graph key is one small tuple per recorded op (the kernel's identity and
 where its inputs come from), joined at the flush: nothing about shapes or
 values is hashed per op, and a repeated step hits the same compiled graph.
 
+Tiered compilation: a new graph of at least TORCHTPU_FUSED_BACKGROUND_OPS
+ops (100) never makes the program wait for XLA. Met for the first time it
+runs op by op, on the per-op kernels strict mode uses (unless an earlier
+process stored its executable: then that is loaded); met again, it is
+compiled on the compile thread (torchtpu.background) and runs op by op
+until that is done. A graph met once (a first step's) is never compiled.
+Smaller graphs compile at once (XLA compiles them in about the time their
+ops' own kernels would take), as every graph does with
+TORCHTPU_FUSED_COMPILE=sync.
+
 A graph holding collectives (torchtpu.distributed) must run as the same
 program on every rank, at the same point. A value read while one is pending
 (on one rank only, as `if rank == 0: print(loss.item())`) is computed, when
@@ -64,6 +74,8 @@ class _Stats:
         self.donated_inputs = 0
         self.side_reads = 0            # reads served by a side graph
         self.side_graphs_compiled = 0
+        self.run_while_compiling = 0    # flushes run op by op while their graph compiled
+        self.run_first_met = 0          # flushes of a graph met once, run op by op
         self.last_flush = None
 
     def snapshot(self):
@@ -78,6 +90,8 @@ class _Stats:
             "donated_inputs": self.donated_inputs,
             "side_reads": self.side_reads,
             "side_graphs_compiled": self.side_graphs_compiled,
+            "run_while_compiling": self.run_while_compiling,
+            "run_first_met": self.run_first_met,
         }
 
 
@@ -276,42 +290,28 @@ class FusedExecutor(StrictExecutor):
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
-        hit = entry is not None
         site = _user_line()
-        churning = self._note_churn(site, key, hit)
-        if hit:
-            STATS.graph_cache_hits += 1
-            run = entry[0]
-        elif churning and _mesh_jit(g.nodes) is None:
-            # This site's graphs keep changing: run its ops one by one with
-            # their own (cached) kernels instead of compiling another graph.
-            STATS.fused_fallbacks += 1
-            if STATS.fused_fallbacks == 1:
-                warnings.warn("torchtpu: fused graphs keep changing at "
-                              f"{site} (new shapes every step?); running them op by op "
-                              "instead of recompiling (counted in metrics fused_fallbacks)",
-                              stacklevel=4)
-            nodes = g.nodes
-            run = lambda inputs, scalars: _replay(nodes, live_refs, inputs, scalars, _call_jitted)  # noqa: E731
-        else:
-            entry = cache.store(key, (_build_graph(g, live_refs, donate), [k for k, _ in g.nodes]))
-            STATS.graphs_compiled += 1
-            run = entry[0]
+        churning, met = self._note_churn(site, key, entry is not None)
+        run, state = self._runner(g, key, entry, live_refs, donate, site, churning, met)
         STATS.flushes[reason] += 1
         STATS.fused_ops[len(g.nodes)] += 1
         STATS.fused_op_total += len(g.nodes)
         STATS.last_flush = {"reason": reason, "site": site, "ops": len(g.nodes),
-                            "outputs": len(live), "cache_hit": hit}
+                            "outputs": len(live), "cache_hit": state == "hit"}
         if self._debug:
             print(f"[torchtpu fused] flush reason={reason} at {site} ops={len(g.nodes)} "
-                  f"outputs={len(live)} cache={'hit' if hit else 'op-by-op' if churning else 'miss'}",
-                  file=sys.stderr)
-        if donate is not None and not churning:
-            STATS.donated_inputs += sum(donate)
-        try:
-            results = run(g.inputs, g.scalars)
-        except Exception as e:
-            results = self._recover(g, live, live_refs, site, e)
+                  f"outputs={len(live)} cache={state}", file=sys.stderr)
+        if run is None:
+            # Tiered: op by op, on strict's kernels (an op's error raised as
+            # strict mode raises it), until the graph is compiled.
+            results = self._op_by_op(g, live, live_refs)
+        else:
+            if donate is not None and state != "op-by-op":
+                STATS.donated_inputs += sum(donate)
+            try:
+                results = run(g.inputs, g.scalars)
+            except Exception as e:
+                results = self._recover(g, live, live_refs, site, e)
         self._last = results
         for (p, owner), value in zip(live, results):
             owner.array = value
@@ -326,6 +326,10 @@ class FusedExecutor(StrictExecutor):
         warnings.warn(f"torchtpu: a fused graph of {len(g.nodes)} ops flushed at {site} failed "
                       f"({type(error).__name__}: {str(error)[:200]}); running its ops one by one",
                       stacklevel=4)
+        return self._op_by_op(g, live, live_refs)
+
+    def _op_by_op(self, g, live, live_refs):
+        """g's live values, its ops run one by one with their own kernels."""
         values = {}
         try:
             return _replay(g.nodes, live_refs, g.inputs, g.scalars, _call_jitted, values)
@@ -335,20 +339,76 @@ class FusedExecutor(StrictExecutor):
                 owner.array = value if value is not None else Lost(e, p.shape, p.dtype)
             raise
 
+    def _runner(self, g, key, entry, live_refs, donate, site, churning, met):
+        """How this flush runs g: (run(inputs, scalars), or None to run its
+        ops one by one; the state the debug output names)."""
+        if entry is not None:
+            STATS.graph_cache_hits += 1
+            if getattr(entry[0], "ready", None) is not None and not self._compiled(key, entry, g,
+                                                                                   live_refs, site):
+                STATS.run_while_compiling += 1
+                return None, "compiling"
+            return entry[0], "hit"
+        collective = _mesh_jit(g.nodes) is not None
+        if churning and not collective:
+            # This site's graphs keep changing: run its ops one by one with
+            # their own (cached) kernels instead of compiling another graph.
+            STATS.fused_fallbacks += 1
+            if STATS.fused_fallbacks == 1:
+                warnings.warn("torchtpu: fused graphs keep changing at "
+                              f"{site} (new shapes every step?); running them op by op "
+                              "instead of recompiling (counted in metrics fused_fallbacks)",
+                              stacklevel=5)
+            return _op_by_op_run(g.nodes, live_refs), "op-by-op"
+        kernels = [k for k, _ in g.nodes]
+        if collective or len(g.nodes) < background_min_ops() or not compile_in_background():
+            # A small graph compiles faster than its ops' own kernels would
+            # for an op-by-op run; a graph holding a collective is compiled
+            # and run by every rank.
+            STATS.graphs_compiled += 1
+            return cache.store(key, (_build_graph(g, live_refs, donate), kernels))[0], "miss"
+        if not met:
+            # Met for the first time: op by op, unless an earlier process
+            # stored its executable. Only a graph that recurs is worth
+            # compiling (a first step's often does not).
+            run = _build_graph(g, live_refs, donate, "stored")
+            if run is not None:
+                return cache.store(key, (run, kernels))[0], "loaded"
+            STATS.run_first_met += 1
+            return None, "first met"
+        cache.store(key, (_build_graph(g, live_refs, donate, "background"), kernels))
+        STATS.graphs_compiled += 1
+        STATS.run_while_compiling += 1
+        return None, "compiling"
+
+    def _compiled(self, key, entry, g, live_refs, site):
+        """Whether a graph compiling in the background is ready. One whose
+        compilation failed warns once, and its key runs op by op from then on."""
+        try:
+            return entry[0].ready()
+        except Exception as e:
+            STATS.fused_fallbacks += 1
+            warnings.warn(f"torchtpu: a fused graph of {len(g.nodes)} ops flushed at {site} failed "
+                          f"to compile ({type(e).__name__}: {str(e)[:200]}); its ops run one by one",
+                          stacklevel=5)
+            cache.store(key, (_op_by_op_run(g.nodes, live_refs), entry[1]))
+            return False
+
     def _note_churn(self, site, key, hit):
-        """Whether to run this flush op by op: its graph is new to this site
-        and most of the last CHURN_WINDOW flushes there brought a new graph.
-        A graph seen before at the site is compiled: it recurs."""
+        """(whether to run this flush op by op, whether its graph was met
+        before at this site). Op by op: its graph is new to this site and
+        most of the last CHURN_WINDOW flushes there brought a new graph. A
+        graph seen before at the site is compiled: it recurs."""
         region = self._regions.get(site)
         if region is None:
             region = self._regions[site] = (collections.deque(maxlen=CHURN_WINDOW),
                                             collections.deque(maxlen=2 * CHURN_WINDOW))
         flags, seen = region
         h = key.hash
-        new = not hit and h not in seen
+        met = hit or h in seen
         seen.append(h)
-        flags.append(new)
-        return new and len(flags) == CHURN_WINDOW and sum(flags) >= CHURN_NEW_KEYS
+        flags.append(not met)
+        return not met and len(flags) == CHURN_WINDOW and sum(flags) >= CHURN_NEW_KEYS, met
 
 
 def _live(g):
@@ -464,6 +524,11 @@ def _replay(nodes, live_refs, inputs, scalars, call, values=None):
     return [values[(r[1], r[2])] for r in live_refs]
 
 
+def _op_by_op_run(nodes, live_refs):
+    """A graph's run(inputs, scalars) that calls its ops' own kernels."""
+    return lambda inputs, scalars: _replay(nodes, live_refs, inputs, scalars, _call_jitted)
+
+
 def _donatable(g, live):
     """Which inputs to donate (XLA then updates them in place, as an
     optimizer step overwrites parameters and state): those no tensor holds
@@ -514,9 +579,24 @@ def _donation_order(g, live, donate):
     return first + [x for j, x in enumerate(live) if j not in taken]
 
 
-def _build_graph(g, live_refs, donate=None):
+def background_min_ops():
+    """The fewest ops a new graph has to compile in the background (below,
+    XLA compiles it in about the time its ops' own kernels would take)."""
+    return int(os.environ.get("TORCHTPU_FUSED_BACKGROUND_OPS", "100"))
+
+
+def compile_in_background():
+    """Whether a new graph compiles on the compile thread while its flushes
+    run op by op (tiered compilation; TORCHTPU_FUSED_COMPILE=sync: not)."""
+    return os.environ.get("TORCHTPU_FUSED_COMPILE", "background").strip().lower() != "sync"
+
+
+def _build_graph(g, live_refs, donate=None, when="first call"):
     """The compiled graph as run(inputs, scalars); inputs marked in donate
-    are passed as a donated argument."""
+    are passed as a donated argument. when (cache.jit_stored's): compiled
+    at its first call, or in the "background" on the compile thread (not a
+    graph holding a collective), run.ready() saying when it is done; or
+    only loaded if "stored" (else None)."""
     nodes = list(g.nodes)
     start = time.perf_counter()
     donate = donate or (False,) * len(g.inputs)
@@ -542,8 +622,16 @@ def _build_graph(g, live_refs, donate=None):
         if key_text is not None:
             key_text += f"\ndonated {given}"
         jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
-                                  device=g.device)
+                                  device=g.device, when=when)
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
+
+    if jitted is None:
+        return None
+    if mesh_jit is None and when != "first call":
+        def run(inputs, scalars):
+            return jitted.value([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
+        run.ready = jitted.ready
+        return run
 
     def run(inputs, scalars):
         return jitted([inputs[i] for i in given], [inputs[i] for i in kept], scalars)

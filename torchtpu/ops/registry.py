@@ -1,6 +1,8 @@
 """The lowering registry: LOWERINGS maps an aten overload to its JAX
 function, filled by the @lower decorator of each family module, and ctx
 tells the lowering being traced what PyTorch's meta kernel returns."""
+import threading
+
 import torch
 
 LOWERINGS = {}
@@ -38,8 +40,9 @@ def lower(*ops, random=False):
     return deco
 
 
-class TraceContext:
-    """What the op being traced returns, per PyTorch's meta kernel: a list of
+class TraceContext(threading.local):
+    """Per thread (fused graphs are traced on the compile thread too): what
+    the op being traced returns, per PyTorch's meta kernel: a list of
     (shape, torch dtype) for its tensor outputs, or None if unknown.
     contiguous: per positional argument, whether that tensor is contiguous
     (None for non-tensors); some CPU kernels pick their algorithm by it and

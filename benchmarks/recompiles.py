@@ -1,0 +1,207 @@
+"""What a user waits for compilation, strict against fused, from a fresh
+process with an empty compilation cache.
+
+Workloads, each trained by hand as its model's usual script does:
+- `lstm`: pytorch/examples' word language model: an nn.LSTM language model
+  (2 layers, 32 wide, dropout 0.2, bptt 35, batch 20, vocab 1000), SGD by
+  hand with gradient clipping, the batch sliced at a moving offset of a
+  dataset kept on the device (get_batch);
+- `gpt`: a 12-layer GPT-2-style model (d=64, 4 heads, seq 64, batch 4,
+  vocab 512) trained with AdamW;
+- `moving slice`: an embedding + linear model over a batch sliced at a
+  moving offset;
+- `lstm varying`: the LSTM over sequences of lengths 17..64 (24 steps),
+  after 24 steps at length 64 in the same process (the cost is the varying
+  run's alone; "fixed" rows give the 24 steps at length 64 for reference).
+
+Columns: the first 10 steps' wall time (compilation included), the steady
+step (median of 5 once the background compilations are done), the seconds
+the program waited for compilation and those fused mode compiled in the
+background meanwhile, and the compilations (kernels + fused graphs) after
+the second step.
+
+    python benchmarks/recompiles.py [--workloads lstm gpt] [--modes strict fused]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import print_rows, table, worker_rows  # noqa: E402
+
+WORKLOADS = ("lstm", "gpt", "moving slice", "lstm varying")
+MODES = ("strict", "fused")
+
+
+def _compilations(torchtpu):
+    s = torchtpu.metrics.snapshot()
+    return s["compilations"] + s.get("graphs_compiled", 0)
+
+
+def _lstm_model(torch, vocab=1000, width=32, layers=2):
+    nn = torch.nn
+
+    class RNNModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.2)
+            self.encoder = nn.Embedding(vocab, width)
+            self.rnn = nn.LSTM(width, width, layers, dropout=0.2)
+            self.decoder = nn.Linear(width, vocab)
+
+        def forward(self, x, hidden):
+            out, hidden = self.rnn(self.drop(self.encoder(x)), hidden)
+            return self.decoder(self.drop(out)).view(-1, vocab), hidden
+
+    return RNNModel(), vocab, layers, width
+
+
+def _lstm_steps(torch, device, lengths, batch=20):
+    """A step function of the word language model; each call trains on the
+    next batch, of the next length in lengths (cycled)."""
+    model, vocab, layers, width = _lstm_model(torch)
+    model.to(device).train()
+    data = torch.randint(0, vocab, (4000, batch), generator=torch.Generator().manual_seed(0)).to(device)
+    state = {"i": 0, "n": 0, "hidden": None}
+
+    def step():
+        n = lengths[state["n"] % len(lengths)]
+        i = state["i"] if state["i"] + n + 1 <= data.shape[0] else 0
+        x, y = data[i:i + n], data[i + 1:i + 1 + n].reshape(-1)
+        hidden = state["hidden"]
+        if hidden is None:
+            hidden = tuple(torch.zeros(layers, batch, width, device=device) for _ in range(2))
+        hidden = tuple(h.detach() for h in hidden)
+        model.zero_grad()
+        out, hidden = model(x, hidden)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-20.0)
+        state.update(i=i + n, n=state["n"] + 1, hidden=hidden)
+        return loss.item()
+    return step
+
+
+def _gpt_steps(torch, device):
+    from fused import TinyGPT
+    model = TinyGPT(vocab=512, d=64, heads=4, layers=12, seq=64).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 512, (4, 64), generator=g).to(device)
+    y = torch.randint(0, 512, (4, 64), generator=g).to(device)
+
+    def step():
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 512), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
+def _moving_slice_steps(torch, device):
+    nn = torch.nn
+    emb, lin = nn.Embedding(1000, 64).to(device), nn.Linear(64, 1000).to(device)
+    opt = torch.optim.SGD(list(emb.parameters()) + list(lin.parameters()), lr=0.1)
+    data = torch.randint(0, 1000, (4000, 20), generator=torch.Generator().manual_seed(0)).to(device)
+    state = {"i": 0}
+
+    def step():
+        i = state["i"]
+        x, y = data[i:i + 35], data[i + 1:i + 36]
+        loss = nn.functional.cross_entropy(lin(emb(x)).view(-1, 1000), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["i"] = i + 35
+        return loss.item()
+    return step
+
+
+def _timed(torchtpu, step, n):
+    """(seconds, compile seconds waited for, compilations) of n calls of step."""
+    before = torchtpu.metrics.snapshot()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    took = time.perf_counter() - start
+    after = torchtpu.metrics.snapshot()
+    return (took, after["compile_seconds"] - before["compile_seconds"],
+            _compilations(torchtpu) - before["compilations"] - before.get("graphs_compiled", 0))
+
+
+def _background_seconds(torchtpu):
+    return torchtpu.metrics.snapshot().get("background_compile_seconds", 0.0)
+
+
+def _worker(workload, mode):
+    import torch
+
+    import torchtpu
+    torchtpu.set_eager_mode(mode)
+    torch.manual_seed(0)
+    device = torchtpu.get_device()
+    if workload == "lstm varying":
+        fixed = _lstm_steps(torch, device, [64])
+        took, compile_s, compiles = _timed(torchtpu, fixed, 24)
+        rows = [{"workload": "lstm fixed (24 steps at 64)", "mode": mode, "first": took,
+                 "steady_ms": float("nan"), "compile_s": compile_s, "background_s": float("nan"),
+                 "later": compiles}]
+        varying = _lstm_steps(torch, device, [17 + (i * 47) % 48 for i in range(24)])
+        took, compile_s, compiles = _timed(torchtpu, varying, 24)
+        rows.append({"workload": "lstm varying (24 steps, 17..64, after it)", "mode": mode,
+                     "first": took, "steady_ms": float("nan"), "compile_s": compile_s,
+                     "background_s": float("nan"), "later": compiles})
+        return rows
+    step = {"lstm": lambda: _lstm_steps(torch, device, [35]), "gpt": lambda: _gpt_steps(torch, device),
+            "moving slice": lambda: _moving_slice_steps(torch, device)}[workload]()
+    first, compile_s, _ = _timed(torchtpu, step, 2)
+    rest, more_s, later = _timed(torchtpu, step, 8)
+    background_s = _background_seconds(torchtpu)
+    torchtpu.wait_for_compiles()  # the steady step: what runs once everything is compiled
+    step()
+    background_s = _background_seconds(torchtpu)
+    steady = []
+    for _ in range(5):
+        start = time.perf_counter()
+        step()
+        steady.append(time.perf_counter() - start)
+    return [{"workload": workload, "mode": mode, "first": first + rest,
+             "steady_ms": statistics.median(steady) * 1e3, "compile_s": compile_s + more_s,
+             "background_s": background_s, "later": later}]
+
+
+def recompiles(workloads=WORKLOADS, modes=MODES, timeout=1800):
+    rows = []
+    for workload in workloads:
+        for mode in modes:
+            rows += worker_rows(__file__, [workload, mode], timeout)
+    return rows
+
+
+recompiles.title = "Compilation a user waits for (fresh process, empty cache)"
+recompiles.columns = [("workload", "workload", "{}"), ("mode", "mode", "{}"),
+                      ("first", "first 10 steps (s)", "{:.1f}"),
+                      ("steady_ms", "steady step (ms)", "{:.1f}"),
+                      ("compile_s", "compiling, waited (s)", "{:.1f}"),
+                      ("background_s", "compiling in background (s)", "{:.1f}"),
+                      ("later", "compilations after step 2", "{}")]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", nargs=2)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    args = parser.parse_args()
+    if args.worker:
+        sys.path.insert(0, os.path.join(HERE, ".."))
+        print_rows(_worker(*args.worker))
+    else:
+        print(table(recompiles, recompiles(args.workloads, args.modes)))
