@@ -219,3 +219,83 @@ def test_tiered_op_error_raises_at_the_flush_and_loses_only_its_results(tiered, 
     torch.testing.assert_close(a.cpu(), torch.arange(4.0) * 1.25 + 0.5)
     with pytest.raises(RuntimeError, match="has no value"):
         b.cpu()
+
+
+# ---- why it compiled, and the guard ----------------------------------------
+
+def _warm(fn, *args):
+    fn(*args)
+    torchtpu.sync()
+
+
+def _line_of(text):
+    """file:line of the line of this file holding text."""
+    with open(__file__) as f:
+        for n, line in enumerate(f, 1):
+            if text in line:
+                return f"{__file__}:{n}"
+    raise AssertionError(text)
+
+
+@pytest.mark.parametrize("change,difference", [
+    ("shape", "argument 0: shape [{n}, 6] -> [{m}, 6]"),
+    ("dtype", "argument 0: dtype float32 -> float64"),
+    ("static", "argument 1: static value"),
+    ("op", "aten.tanh.default -> aten.sigmoid.default"),
+])
+def test_no_recompiles_names_the_line_and_the_difference(mode, change, difference):
+    def step(x, dim=1, last=torch.tanh):
+        return last((x * 1.75).sum(dim) + 0.5)  # where a kernel compiles
+
+    # Shapes of this test and mode alone: no earlier case compiled them.
+    n = 11 + 2 * ["debug", "strict", "fused"].index(mode) + 6 * ["shape", "dtype", "static", "op"].index(change)
+    difference = difference.format(n=n, m=n + 1)
+    x = torch.randn(n, 6).to("tpu")
+    torchtpu.sync()
+    step(x).cpu()
+    new = {"shape": (torch.randn(n + 1, 6).to("tpu"),), "dtype": (x.double(),),
+           "static": (x, 0), "op": (x, 1, torch.sigmoid)}[change]
+    torchtpu.sync()  # (fused mode: the new input's own graph, before the guard)
+    with torchtpu.no_recompiles():
+        step(x).cpu()  # what compiled before compiles nothing
+    out = None
+    with pytest.raises(torchtpu.RecompileError) as caught, torchtpu.no_recompiles():
+        out = step(*new)
+        out.cpu()  # where a fused graph compiles
+    message = str(caught.value)
+    at = "where a fused graph compiles" if mode == "fused" else "where a kernel compiles"
+    assert _line_of(at) in message, message
+    if change == "op" and mode != "fused":
+        assert "a new kernel of aten.sigmoid.default" in message, message
+    else:
+        assert difference in message, message
+    # Outside the guard it compiles, with CPU's values (fused mode kept the
+    # refused graph pending: nothing was lost); explain_compiles() names
+    # the line and what differed.
+    cpu = [a.cpu() if isinstance(a, torch.Tensor) else a for a in new]
+    if out is None:  # refused at the op (debug and strict mode)
+        out = step(*new)
+    torch.testing.assert_close(out.cpu(), step(*cpu))
+    report = torchtpu.explain_compiles()
+    assert _line_of(at) in report and (difference in report or change == "op"), report
+
+
+def test_recompiles_error_everywhere_from_the_environment(tmp_path):
+    script = tmp_path / "guarded.py"
+    script.write_text("""
+import torch, torchtpu
+x = torch.ones(3, device="tpu")
+(x * 2).cpu()
+try:
+    (torch.ones(4, device="tpu") * 2).cpu()
+except torchtpu.RecompileError as e:
+    print("refused:", e)
+""")
+    import subprocess
+    import sys
+    env = dict(__import__("os").environ, TORCHTPU_RECOMPILES="error")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    # The first kernels compile; the one compiled again is refused, at its line.
+    assert "refused:" in out.stdout, out.stderr[-2000:]
+    assert f"{script}:6" in out.stdout and "(3,) -> (4,)" in out.stdout, out.stdout

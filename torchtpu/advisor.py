@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from . import errors, metrics
+from . import errors, metrics, recompiles
 
 ON = os.environ.get("TORCHTPU_DEBUG") == "1"
 # An op compiled for this many different shapes/arguments is churning.
@@ -152,6 +152,11 @@ def summary():
             out.append(f"    {op}: {n} compilations, churning at "
                        f"{_short(S.churn_lines.get(op, '<unknown>'))}"
                        + (f"; varying {hint}" if hint else ""))
+    again = recompiles.events()
+    if again:
+        out.append(f"  Compiled again ({len(again)}; torchtpu.explain_compiles() lists them all):")
+        for line, what, why in again[-6:]:
+            out.append(f"    {_short(line)}: {what}: {why}")
     if S.grown_cuts:
         out.append("  Growing tensors read whole (torch.cat in a loop; the op that reads one "
                    "compiles for each length, where cat, views and attention use its bucket):")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import torch
 from torch._decomp import decomposition_table
 
-from .. import advisor, bounds, cache, errors, metrics, modes, runtime
+from .. import advisor, bounds, cache, errors, metrics, modes, recompiles, runtime
 from ..modes import checks
 from ..ops import random as rng
 from ..tensor import (GrownStorage, Lost, Storage, TpuTensor, check_in_storage, contiguous_strides, make_view,
@@ -220,6 +220,8 @@ def _run_lowered(plan, args, kwargs):
                 entry = cache.lookup(key)
     if entry is None:
         device = kernel_device(pos_specs, kw_specs)  # (raises CUDA's error for two devices)
+        if not modes._current.records:
+            recompiles.note_kernel(plan.name, pos_specs, kw_specs)  # (fused mode: per graph)
         if plan.kind == "mutate":
             if written_checked(plan, pos_specs, kw_specs,
                                lambda: _check_written(plan, args, kwargs)):

@@ -22,7 +22,7 @@ class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
     __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
-                 "stable_key", "bound", "device")
+                 "stable_key", "bound", "device", "specs")
 
     def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None, device=0):
         self.name = name
@@ -39,6 +39,7 @@ class Kernel:
         # The storages an in-place op writes, in the order fn returns them.
         self.written_slots = written_slots
         self.avals = None  # output avals, filled by fused mode on first use
+        self.specs = None  # (positional, keyword) argument specs: its key (torchtpu.recompiles)
         # Loaded from its record or compiled, at its first call.
         self.jitted = cache.jit_kernel(self, fn, _kernel_name(name), device)
 
@@ -347,6 +348,7 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, 
         stable = None
     kernel = Kernel(plan.name, fn, out_dtypes, written_slots, stable,
                     bound, device)
+    kernel.specs = (pos_specs, kw_specs)
     return kernel
 
 

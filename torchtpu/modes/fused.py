@@ -42,7 +42,7 @@ import weakref
 
 import jax
 
-from .. import bounds, cache, errors, metrics
+from .. import bounds, cache, errors, metrics, recompiles
 from . import checks
 from ..tensor import Lost, Pending
 from .strict import StrictExecutor
@@ -145,6 +145,7 @@ class _GraphKey:
 
 class FusedExecutor(StrictExecutor):
     name = "fused"
+    records = True
 
     def __init__(self):
         super().__init__()
@@ -274,6 +275,7 @@ class FusedExecutor(StrictExecutor):
         self._limit = max_ops()
         if not g.nodes:
             return
+        recorded = g
         self._graph = _Graph()
         live = _live(g)
         renamed = None
@@ -291,6 +293,12 @@ class FusedExecutor(StrictExecutor):
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
         site = _user_line()
+        if entry is None:
+            try:
+                recompiles.note_graph(site, [k for k, _ in g.nodes])
+            except recompiles.RecompileError:
+                self._graph = recorded  # kept pending: nothing is lost
+                raise
         churning, met = self._note_churn(site, key, entry is not None)
         run, state = self._runner(g, key, entry, live_refs, donate, site, churning, met)
         STATS.flushes[reason] += 1

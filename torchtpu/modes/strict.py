@@ -7,6 +7,7 @@ from .. import metrics
 
 class StrictExecutor:
     name = "strict"
+    records = False  # ops run as they come (fused mode records them into graphs)
 
     def __init__(self):
         self._last = None
