@@ -11,11 +11,21 @@ import time
 _ROWS = "ROWS "
 
 
+def settle():
+    """Wait for the fused graphs compiling in the background (tiered
+    compilation): steady-state timings are of the compiled graphs. The
+    first steps, which do not wait, are timed by recompiles.py."""
+    torchtpu = sys.modules.get("torchtpu")
+    if torchtpu is not None:
+        torchtpu.wait_for_compiles()
+
+
 def timings(fn, repeats, warmup=1):
     """(median, best) wall seconds of fn() over repeats, after warmup calls.
     The best shows the cost without interference from other processes."""
     for _ in range(warmup):
         fn()
+    settle()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -30,6 +40,7 @@ def alternating_ms(fns, repeats, warmup):
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    settle()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 import torchtpu
+from common import settle
 
 
 def _gpt2():
@@ -51,6 +52,7 @@ def compiled_hf_step(repeats=9, warmup=12, modes=("strict", "fused")):
                     steps[name] = _step(run, torch.optim.AdamW(model.parameters(), lr=1e-3), ids)
                     for _ in range(warmup):
                         steps[name]()
+                settle()
                 times = {name: [] for name in steps}
                 for _ in range(repeats):
                     for name, step in steps.items():

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
-from common import alternating_ms, timings
+from common import alternating_ms, settle, timings
 
 
 # ---- models ----------------------------------------------------------------
@@ -196,6 +196,7 @@ def loop_ms(fns, repeats, warmup):
         for fn in fns.values():
             fn()
         torch.tpu.synchronize()
+    settle()
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():

@@ -41,6 +41,7 @@ def tiny_model(name):
 def _worker(model_name, cache, mode):
     import torch
     import torchtpu
+    from common import print_rows, settle
     torch.set_num_threads(1)  # CPU eager's best here (module docstring)
     model = tiny_model(model_name)
     prompt, warm = torch.randint(0, 256, (2, 6)), torch.randint(0, 256, (2, 6))
@@ -66,6 +67,7 @@ def _worker(model_name, cache, mode):
                 torchtpu.metrics.reset()
                 first, out = timed(tpu_model, prompt.to("tpu"), n)
                 snap = torchtpu.metrics.snapshot()
+                settle()
                 warm_times = []
                 for _ in range(3):  # alternating, so both see the same load
                     cpu_times.append(timed(model, prompt, n)[0])
@@ -75,7 +77,6 @@ def _worker(model_name, cache, mode):
                                  equal=bool(torch.equal(out, want)), first=first, warm=warm_ms,
                                  cpu=cpu_ms, first_ratio=first / cpu_ms, warm_ratio=warm_ms / cpu_ms,
                                  compilations=snap["compilations"]))
-    from common import print_rows
     print_rows(rows)
 
 

@@ -35,6 +35,7 @@ from generate_floor import generate_floor  # noqa: E402
 from index_check import index_check  # noqa: E402
 from optim import fused_adamw  # noqa: E402
 from per_op import per_op  # noqa: E402
+from recompiles import recompiles  # noqa: E402
 from transfers import transfers  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps"
               "compiled_steps": compiled_steps, "compiled_hf_step": compiled_hf_step,
               "cache_warm_start": cache_warm_start, "transfers": transfers,
               "index_check": index_check, "fused_adamw": fused_adamw, "generate": generate,
-              "generate_floor": generate_floor,
+              "generate_floor": generate_floor, "recompiles": recompiles,
               "all_reduce_bandwidth": all_reduce_bandwidth, "ddp_step": ddp_step}
 
 
