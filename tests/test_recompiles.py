@@ -299,3 +299,32 @@ except torchtpu.RecompileError as e:
     # The first kernels compile; the one compiled again is refused, at its line.
     assert "refused:" in out.stdout, out.stderr[-2000:]
     assert f"{script}:6" in out.stdout and "(3,) -> (4,)" in out.stdout, out.stdout
+
+
+def test_a_step_longer_than_the_fused_limit_makes_the_same_graphs_each_step(monkeypatch):
+    """Without a read per step, a step cut at TORCHTPU_FUSE_MAX_OPS is cut
+    at the same ops every step (the rest is flushed at the optimizer's
+    step): after the first steps, nothing new compiles."""
+    monkeypatch.setenv("TORCHTPU_FUSE_MAX_OPS", "45")
+    monkeypatch.setenv("TORCHTPU_FUSED_COMPILE", "sync")
+
+    def train(device, steps, counts=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(2)
+        x, y = torch.randn(8, 6, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)
+        for _ in range(steps):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if counts is not None:
+                counts.append(_compilations())
+        return [p.detach().to("cpu") for p in model.parameters()]
+
+    counts = []
+    with torchtpu.eager_mode("fused"):
+        got = train("tpu", 12, counts)
+    assert counts[-1] == counts[3], counts
+    for a, b in zip(got, train("cpu", 12)):
+        torch.testing.assert_close(a, b)

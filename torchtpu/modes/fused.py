@@ -41,6 +41,7 @@ import warnings
 import weakref
 
 import jax
+import torch
 
 from .. import bounds, cache, errors, metrics, recompiles
 from . import checks
@@ -153,6 +154,8 @@ class FusedExecutor(StrictExecutor):
         self._regions = {}  # flush site -> recent (new graph?) flags
         self._debug = os.environ.get("TORCHTPU_FUSE_DEBUG") == "1"
         self._limit = max_ops()
+        self._cut = False       # the pending graph follows a cut at the limit
+        self._step_hook = None  # flushing at the optimizer's step after such a cut
 
     # -- recording ---------------------------------------------------------
     def run(self, kernel, flat, storages):
@@ -162,6 +165,8 @@ class FusedExecutor(StrictExecutor):
             if ni:
                 # Flush before recording (a graph runs on one device): every
                 # earlier result is owned by now.
+                if ni >= self._limit:
+                    self._cut_at_limit()
                 self.flush("limit" if ni >= self._limit else "device")
                 flat = [self._concrete_value(x) for x in flat]
                 g = self._graph
@@ -202,6 +207,20 @@ class FusedExecutor(StrictExecutor):
         written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
         g.outputs += written
         return outs, written
+
+    def _cut_at_limit(self):
+        """A step longer than the limit is cut there; its next flush is at
+        the optimizer's step, so that the cuts fall at the same ops every
+        step (else they drift, and each step makes new graphs)."""
+        self._cut = True
+        if self._step_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+            self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs):
+        if self._cut and self._graph.nodes and not torch.compiler.is_compiling():
+            self._cut = False
+            self.flush("step_boundary")
 
     # -- reading -----------------------------------------------------------
     def _concrete_value(self, x):
