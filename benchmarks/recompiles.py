@@ -14,11 +14,12 @@ Workloads, each trained by hand as its model's usual script does:
   after 24 steps at length 64 in the same process (the cost is the varying
   run's alone; "fixed" rows give the 24 steps at length 64 for reference).
 
-Columns: the first 10 steps' wall time (compilation included), the steady
+Columns: the first steps' wall time (10 steps; 24 for the LSTM runs of
+fixed and varying length; compilation included), the steady
 step (median of 5 once the background compilations are done), the seconds
 the program waited for compilation and those fused mode compiled in the
 background meanwhile, and the compilations (kernels + fused graphs) after
-the second step.
+the second step (for the varying run: all of its own).
 
     python benchmarks/recompiles.py [--workloads lstm gpt] [--modes strict fused]
 """
@@ -150,13 +151,13 @@ def _worker(workload, mode):
     if workload == "lstm varying":
         fixed = _lstm_steps(torch, device, [64])
         took, compile_s, compiles = _timed(torchtpu, fixed, 24)
-        rows = [{"workload": "lstm fixed (24 steps at 64)", "mode": mode, "first": took,
+        rows = [{"workload": "lstm fixed (24 steps at 64)", "mode": mode, "steps": 24, "first": took,
                  "steady_ms": float("nan"), "compile_s": compile_s, "background_s": float("nan"),
                  "later": compiles}]
         varying = _lstm_steps(torch, device, [17 + (i * 47) % 48 for i in range(24)])
         took, compile_s, compiles = _timed(torchtpu, varying, 24)
         rows.append({"workload": "lstm varying (24 steps, 17..64, after it)", "mode": mode,
-                     "first": took, "steady_ms": float("nan"), "compile_s": compile_s,
+                     "steps": 24, "first": took, "steady_ms": float("nan"), "compile_s": compile_s,
                      "background_s": float("nan"), "later": compiles})
         return rows
     step = {"lstm": lambda: _lstm_steps(torch, device, [35]), "gpt": lambda: _gpt_steps(torch, device),
@@ -172,7 +173,7 @@ def _worker(workload, mode):
         start = time.perf_counter()
         step()
         steady.append(time.perf_counter() - start)
-    return [{"workload": workload, "mode": mode, "first": first + rest,
+    return [{"workload": workload, "mode": mode, "steps": 10, "first": first + rest,
              "steady_ms": statistics.median(steady) * 1e3, "compile_s": compile_s + more_s,
              "background_s": background_s, "later": later}]
 
@@ -187,11 +188,12 @@ def recompiles(workloads=WORKLOADS, modes=MODES, timeout=1800):
 
 recompiles.title = "Compilation a user waits for (fresh process, empty cache)"
 recompiles.columns = [("workload", "workload", "{}"), ("mode", "mode", "{}"),
-                      ("first", "first 10 steps (s)", "{:.1f}"),
+                      ("steps", "first steps", "{}"),
+                      ("first", "their time (s)", "{:.1f}"),
                       ("steady_ms", "steady step (ms)", "{:.1f}"),
                       ("compile_s", "compiling, waited (s)", "{:.1f}"),
                       ("background_s", "compiling in background (s)", "{:.1f}"),
-                      ("later", "compilations after step 2", "{}")]
+                      ("later", "compilations (after step 2; varying: all)", "{}")]
 
 
 if __name__ == "__main__":

@@ -328,3 +328,29 @@ def test_a_step_longer_than_the_fused_limit_makes_the_same_graphs_each_step(monk
     assert counts[-1] == counts[3], counts
     for a, b in zip(got, train("cpu", 12)):
         torch.testing.assert_close(a, b)
+
+
+def test_tiered_flush_switches_to_the_graph_ready_half_way(tiered, monkeypatch):
+    """The graph's compilation finishes while its ops run one by one: the
+    rest of the flush is the graph's, from the same inputs."""
+    from torchtpu.modes import fused as fused_mode
+    from torchtpu.modes.fused import STATS
+
+    def f(t):
+        return ((t * 1.5 - 0.25).tanh() @ t.T + 2.0).softmax(-1).cpu()  # the flush: one line
+
+    x = torch.linspace(-2, 2, 12).reshape(3, 4)
+    t = x.to("tpu")
+    torchtpu.sync()
+    want = ((x * 1.5 - 0.25).tanh() @ x.T + 2.0).softmax(-1)
+    torch.testing.assert_close(f(t), want)  # met first: op by op
+    calls = []
+
+    def call(kernel, args):
+        calls.append(kernel.name)
+        if len(calls) == 3:
+            tiered()  # the compile thread runs, and finishes the graph
+        return kernel.jitted(*args)
+    monkeypatch.setattr(fused_mode, "_call_jitted", call)
+    torch.testing.assert_close(f(t), want)  # met again: compiled meanwhile
+    assert STATS.switched_while_compiling == 1 and len(calls) == 3, calls

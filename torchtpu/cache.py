@@ -434,8 +434,8 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when=
     executable: key_text describes fn completely and the same way in every
     process (None: not storable). when: "first call" loads or compiles it
     then; "background" loads it now or compiles it on the compile thread,
-    and "stored" loads it now or gives None; both give a background.Job
-    whose value is the executable."""
+    giving a background.Job whose value is the executable; "stored" loads
+    it now, giving such a Job, or None when no executable is stored."""
     disk = _disk()
     if when != "first call":
         return _jit_in_background(fn, args, key_text, name or fn.__name__, donate_argnums, device, disk,

@@ -15,13 +15,15 @@ where its inputs come from), joined at the flush: nothing about shapes or
 values is hashed per op, and a repeated step hits the same compiled graph.
 
 Tiered compilation: a new graph of at least TORCHTPU_FUSED_BACKGROUND_OPS
-ops (100) never makes the program wait for XLA. Met for the first time it
-runs op by op, on the per-op kernels strict mode uses (unless an earlier
-process stored its executable: then that is loaded); met again, it is
-compiled on the compile thread (torchtpu.background) and runs op by op
-until that is done. A graph met once (a first step's) is never compiled.
-Smaller graphs compile at once (XLA compiles them in about the time their
-ops' own kernels would take), as every graph does with
+ops (100) never makes the program wait for XLA. The first time it is met
+it runs op by op, on the per-op kernels strict mode uses (or, if an earlier
+process stored its executable, that is loaded); met again at the same
+line, it is compiled on the compile thread (torchtpu.background) and runs
+op by op until that is done, a flush whose graph becomes ready half-way
+running the whole graph instead (its inputs are all still there). A graph
+met once (a first step's) is not compiled: that would slow the steps after
+it for nothing. Smaller graphs compile at once (XLA compiles them in about the
+time their ops' own kernels would take), as every graph does with
 TORCHTPU_FUSED_COMPILE=sync.
 
 A graph holding collectives (torchtpu.distributed) must run as the same
@@ -76,7 +78,8 @@ class _Stats:
         self.side_reads = 0            # reads served by a side graph
         self.side_graphs_compiled = 0
         self.run_while_compiling = 0    # flushes run op by op while their graph compiled
-        self.run_first_met = 0          # flushes of a graph met once, run op by op
+        self.switched_while_compiling = 0  # of those, flushes whose graph was done half-way
+        self.run_first_met = 0          # flushes of a graph met for the first time, run op by op
         self.last_flush = None
 
     def snapshot(self):
@@ -92,6 +95,7 @@ class _Stats:
             "side_reads": self.side_reads,
             "side_graphs_compiled": self.side_graphs_compiled,
             "run_while_compiling": self.run_while_compiling,
+            "switched_while_compiling": self.switched_while_compiling,
             "run_first_met": self.run_first_met,
         }
 
@@ -328,11 +332,16 @@ class FusedExecutor(StrictExecutor):
         if self._debug:
             print(f"[torchtpu fused] flush reason={reason} at {site} ops={len(g.nodes)} "
                   f"outputs={len(live)} cache={state}", file=sys.stderr)
-        if run is None:
+        results = None
+        if state == "compiling":
             # Tiered: op by op, on strict's kernels (an op's error raised as
-            # strict mode raises it), until the graph is compiled.
-            results = self._op_by_op(g, live, live_refs)
-        else:
+            # strict mode raises it), until the graph is compiled; if it is
+            # done half-way, the graph runs instead (from the same inputs).
+            STATS.run_while_compiling += 1
+            results = self._op_by_op(g, live, live_refs, run.job)
+            if results is None:
+                STATS.switched_while_compiling += 1
+        if results is None:
             if donate is not None and state != "op-by-op":
                 STATS.donated_inputs += sum(donate)
             try:
@@ -355,11 +364,12 @@ class FusedExecutor(StrictExecutor):
                       stacklevel=4)
         return self._op_by_op(g, live, live_refs)
 
-    def _op_by_op(self, g, live, live_refs):
-        """g's live values, its ops run one by one with their own kernels."""
+    def _op_by_op(self, g, live, live_refs, job=None):
+        """g's live values, its ops run one by one with their own kernels;
+        None if job (the graph's compilation) succeeds before they are done."""
         values = {}
         try:
-            return _replay(g.nodes, live_refs, g.inputs, g.scalars, _call_jitted, values)
+            return _replay(g.nodes, live_refs, g.inputs, g.scalars, _call_jitted, values, job)
         except Exception as e:
             for (p, owner), ref in zip(live, live_refs):
                 value = values.get(ref[1:])
@@ -367,15 +377,25 @@ class FusedExecutor(StrictExecutor):
             raise
 
     def _runner(self, g, key, entry, live_refs, donate, site, churning, met):
-        """How this flush runs g: (run(inputs, scalars), or None to run its
-        ops one by one; the state the debug output names)."""
+        """How this flush runs g: (run(inputs, scalars), the state the debug
+        output names). "compiling": run's graph compiles in the background
+        (run.job); meanwhile its ops run one by one. met: whether g was
+        flushed at site before."""
         if entry is not None:
             STATS.graph_cache_hits += 1
-            if getattr(entry[0], "ready", None) is not None and not self._compiled(key, entry, g,
-                                                                                   live_refs, site):
-                STATS.run_while_compiling += 1
-                return None, "compiling"
-            return entry[0], "hit"
+            run = entry[0]
+            job = getattr(run, "job", None)
+            if job is None or (job.done and job.error is None):
+                return run, "hit"
+            if not job.done:
+                return run, "compiling"
+            # Its compilation failed: warn once, and run its ops one by one
+            # from now on.
+            STATS.fused_fallbacks += 1
+            warnings.warn(f"torchtpu: a fused graph of {len(g.nodes)} ops flushed at {site} failed "
+                          f"to compile ({type(job.error).__name__}: {str(job.error)[:200]}); its ops "
+                          "run one by one", stacklevel=5)
+            return cache.store(key, (_op_by_op_run(g.nodes, live_refs), entry[1]))[0], "op-by-op"
         collective = _mesh_jit(g.nodes) is not None
         if churning and not collective:
             # This site's graphs keep changing: run its ops one by one with
@@ -397,35 +417,21 @@ class FusedExecutor(StrictExecutor):
         if not met:
             # Met for the first time: op by op, unless an earlier process
             # stored its executable. Only a graph that recurs is worth
-            # compiling (a first step's often does not).
+            # compiling: a first step's often does not, and compiling it
+            # would slow the steps after it.
             run = _build_graph(g, live_refs, donate, "stored")
             if run is not None:
-                return cache.store(key, (run, kernels))[0], "loaded"
+                return cache.store(key, (run, kernels))[0], "hit"
             STATS.run_first_met += 1
-            return None, "first met"
-        cache.store(key, (_build_graph(g, live_refs, donate, "background"), kernels))
+            return _op_by_op_run(g.nodes, live_refs), "first met"
         STATS.graphs_compiled += 1
-        STATS.run_while_compiling += 1
-        return None, "compiling"
-
-    def _compiled(self, key, entry, g, live_refs, site):
-        """Whether a graph compiling in the background is ready. One whose
-        compilation failed warns once, and its key runs op by op from then on."""
-        try:
-            return entry[0].ready()
-        except Exception as e:
-            STATS.fused_fallbacks += 1
-            warnings.warn(f"torchtpu: a fused graph of {len(g.nodes)} ops flushed at {site} failed "
-                          f"to compile ({type(e).__name__}: {str(e)[:200]}); its ops run one by one",
-                          stacklevel=5)
-            cache.store(key, (_op_by_op_run(g.nodes, live_refs), entry[1]))
-            return False
+        return cache.store(key, (_build_graph(g, live_refs, donate, "background"), kernels))[0], "compiling"
 
     def _note_churn(self, site, key, hit):
-        """(whether to run this flush op by op, whether its graph was met
-        before at this site). Op by op: its graph is new to this site and
-        most of the last CHURN_WINDOW flushes there brought a new graph. A
-        graph seen before at the site is compiled: it recurs."""
+        """(whether to run this flush op by op, whether its graph was
+        flushed at this site before). Op by op: its graph is new to this
+        site and most of the last CHURN_WINDOW flushes there brought a new
+        graph. A graph seen before at the site is compiled: it recurs."""
         region = self._regions.get(site)
         if region is None:
             region = self._regions[site] = (collections.deque(maxlen=CHURN_WINDOW),
@@ -531,11 +537,14 @@ def _call_jitted(kernel, args):
     return kernel.jitted(*args)
 
 
-def _replay(nodes, live_refs, inputs, scalars, call, values=None):
+def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
     """Run the recorded nodes (call(kernel, args) runs one) and return the
-    values of live_refs. values: where (node, output) -> value is kept."""
+    values of live_refs. values: where (node, output) -> value is kept.
+    until: a background.Job; once it has succeeded, stop and return None."""
     values = {} if values is None else values
     for ni, (kernel, refs) in enumerate(nodes):
+        if until is not None and until.done and until.error is None:
+            return None
         args = []
         for r in refs:
             kind = r[0]
@@ -622,8 +631,8 @@ def _build_graph(g, live_refs, donate=None, when="first call"):
     """The compiled graph as run(inputs, scalars); inputs marked in donate
     are passed as a donated argument. when (cache.jit_stored's): compiled
     at its first call, or in the "background" on the compile thread (not a
-    graph holding a collective), run.ready() saying when it is done; or
-    only loaded if "stored" (else None)."""
+    graph holding a collective), run.job saying when it is done; or only
+    loaded if "stored" (else None)."""
     nodes = list(g.nodes)
     start = time.perf_counter()
     donate = donate or (False,) * len(g.inputs)
@@ -657,7 +666,7 @@ def _build_graph(g, live_refs, donate=None, when="first call"):
     if mesh_jit is None and when != "first call":
         def run(inputs, scalars):
             return jitted.value([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
-        run.ready = jitted.ready
+        run.job = jitted
         return run
 
     def run(inputs, scalars):
