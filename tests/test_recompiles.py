@@ -82,22 +82,28 @@ def test_the_last_rows_read_at_a_moving_offset(mode):
 
 
 def test_writes_at_a_moving_offset(mode):
-    """A ring buffer and a cache written at a position that moves."""
-    buf, ring = torch.zeros(12, 3), torch.zeros(5, 2, 3)
-    tbuf, tring = buf.to("tpu"), ring.to("tpu")
+    """A cache written at a moving position (rows, and strided columns) and
+    a ring buffer: CPU's values, and compilations that stop."""
+    buf, cols, ring = torch.zeros(20, 3), torch.zeros(3, 20), torch.zeros(5, 2, 3)
+    tbuf, tcols, tring = buf.to("tpu"), cols.to("tpu"), ring.to("tpu")
     before = None
-    for step in range(9):
+    for step in range(16):
         v = torch.randn(2, 3)
-        i = (3 * step) % 10
-        buf[i:i + 2] = v
-        tbuf[i:i + 2] = v.to("tpu")
+        buf[step:step + 2] = v
+        tbuf[step:step + 2] = v.to("tpu")
+        cols[:, step] = v[0]
+        tcols[:, step] = v[0].to("tpu")
+        cols[:, step].mul_(0.5)
+        tcols[:, step].mul_(0.5)
         ring[step % 5] += v
         tring[step % 5] += v.to("tpu")
-        buf[:, step % 3].mul_(0.5)
-        tbuf[:, step % 3].mul_(0.5)
         assert_same(tbuf, buf)
+        assert_same(tcols, cols)
         assert_same(tring, ring)
-        if step == 1:
+        if step == 5:
+            # Each op's first offset keeps its own kernel: fused mode's
+            # graph differs when the ring buffer comes back to its first
+            # slot (step 5), then recurs.
             torchtpu.sync()
             before = _compilations()
     torchtpu.sync()

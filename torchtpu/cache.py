@@ -163,28 +163,19 @@ def store(key, entry):
 def served_generally(general, key):
     """Whether a call whose kernel key is key (missing from the cache) runs
     the kernel of general, a key whose static values (view offsets) that
-    kernel takes at run time. The first key met keeps its own kernel; the
-    second and later ones run general's. Once a third has come (the values
-    move: data[i:i + n] at a moving i), the first runs general's too, so
-    fused mode's graphs do not differ in which of the two an op ran; two
-    fixed values (a key and a value at two offsets of one projection) keep
-    one each. What was met is kept in the memory cache."""
-    marker = ("specializations", general)
-    met = _memory.get(marker)
-    if met is None:
-        store(marker, [key, None, False])
+    kernel takes at run time: every key but the first met does. The first
+    keeps its own kernel, so a program whose offsets never move (views of
+    one flat buffer, a key and a value split from one projection) compiles
+    and fuses as before; one whose offsets move compiles at most two
+    kernels per op (and fused mode at most one graph more per combination
+    of ops back at their first offset, as a ring buffer comes round). The
+    first key is kept in the memory cache."""
+    marker = ("first specialization", general)
+    first = _memory.get(marker)
+    if first is None:
+        store(marker, key)
         return False
-    first, second, moving = met
-    if moving:
-        return True
-    if key == first:
-        return False
-    if second is None:
-        met[1] = key
-    elif key != second:
-        met[2] = True
-        _memory.pop(first, None)
-    return True
+    return first != key
 
 
 def jit(fn, name=None, donate_argnums=(), device=0):

@@ -21,7 +21,11 @@ _ALWAYS = os.environ.get("TORCHTPU_RECOMPILES", "").strip().lower() == "error"
 _local = threading.local()
 _HISTORY = 16
 _kernels = collections.defaultdict(lambda: collections.deque(maxlen=_HISTORY))
-_graphs = collections.defaultdict(lambda: collections.deque(maxlen=_HISTORY // 2))
+# Per flush line (the last _SITES lines), and under None the last anywhere:
+# each graph as (name, specs, id) per kernel, not the kernels (nor their
+# executables, which the memory cache may have dropped).
+_SITES = 256
+_graphs = collections.OrderedDict()
 _events = collections.deque(maxlen=256)
 
 
@@ -118,36 +122,48 @@ def note_graph(site, kernels, same_ops_text="the same ops; where their values co
                                             "which are kept, differs"):
     """A new fused graph flushed at site (file:line), of these kernels in
     order. Raises RecompileError where refused."""
+    graph = [(k.name, getattr(k, "specs", None), id(k)) for k in kernels]
+    at_site, anywhere = _history(site), _history(None)
+    again = bool(at_site)
     # The graphs flushed at the same line, and the last ones anywhere.
-    again = bool(_graphs[site])
-    earlier = list(_graphs[site]) + list(_graphs[None])
-    difference = _nearest(earlier, kernels, lambda a, b: _graph_differences(a, b, same_ops_text),
-                          _graph_distance)
-    _graphs[site].append(list(kernels))
-    _graphs[None].append(_graphs[site][-1])
+    difference = _nearest(list(at_site) + list(anywhere), graph,
+                          lambda a, b: _graph_differences(a, b, same_ops_text), _graph_distance)
+    at_site.append(graph)
+    anywhere.append(graph)
     _note(f"a fused graph of {len(kernels)} ops", difference,
           f"a new fused graph of {len(kernels)} ops", again, site)
+
+
+def _history(site):
+    found = _graphs.get(site)
+    if found is None:
+        found = _graphs[site] = collections.deque(maxlen=_HISTORY // 2)
+        if len(_graphs) > _SITES:
+            _graphs.popitem(last=False)
+    else:
+        _graphs.move_to_end(site)
+    return found
 
 
 def _graph_distance(a, b):
     """How two graphs differ: 1 per op of the same name and another
     kernel (other shapes, say), 2 per op of another name or missing."""
-    return (sum(0 if x is y else 1 if x.name == y.name else 2 for x, y in zip(a, b))
+    return (sum(0 if x[2] == y[2] else 1 if x[0] == y[0] else 2 for x, y in zip(a, b))
             + 2 * abs(len(a) - len(b)))
 
 
 def _graph_differences(a, b, same_ops_text):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x is y:
+    for i, ((name, specs, ident), (new_name, new_specs, new_ident)) in enumerate(zip(a, b)):
+        if ident == new_ident:
             continue
-        if x.name != y.name:
-            return [f"op {i}: {x.name} -> {y.name}"]
-        specs = _kernel_differences(x.specs, y.specs) if x.specs and y.specs else []
-        return [f"op {i} ({x.name}) " + ("; ".join(specs) if specs else "differs")]
+        if name != new_name:
+            return [f"op {i}: {name} -> {new_name}"]
+        found = _kernel_differences(specs, new_specs) if specs and new_specs else []
+        return [f"op {i} ({name}) " + ("; ".join(found) if found else "differs")]
     if len(a) != len(b):
         longer = b if len(b) > len(a) else a
         return [f"{len(a)} -> {len(b)} ops (from op {min(len(a), len(b))}, "
-                f"{longer[min(len(a), len(b))].name})"]
+                f"{longer[min(len(a), len(b))][0]})"]
     return [same_ops_text]
 
 

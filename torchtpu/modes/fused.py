@@ -298,8 +298,8 @@ class FusedExecutor(StrictExecutor):
         self._limit = max_ops()
         if not g.nodes:
             return
-        recorded = g
         self._graph = _Graph()
+        self._cut = reason == "limit"  # (a sync sets the boundary, not the limit)
         live = _live(g)
         renamed = None
         if g.collectives and not errors.FUSED_LINES and not errors.nan_checks_on():
@@ -316,12 +316,17 @@ class FusedExecutor(StrictExecutor):
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
         site = _user_line()
+        refused = None
         if entry is None:
             try:
                 recompiles.note_graph(site, [k for k, _ in g.nodes])
-            except recompiles.RecompileError:
-                self._graph = recorded  # kept pending: nothing is lost
-                raise
+            except recompiles.RecompileError as e:
+                if renamed is None:
+                    self._graph = g  # kept pending: nothing is lost
+                    raise
+                # (Not kept: dead ops were dropped, and its collectives must
+                # run on every rank. It runs, then the error is raised.)
+                refused = e
         churning, met = self._note_churn(site, key, entry is not None)
         run, state = self._runner(g, key, entry, live_refs, donate, site, churning, met)
         STATS.flushes[reason] += 1
@@ -352,6 +357,8 @@ class FusedExecutor(StrictExecutor):
         for (p, owner), value in zip(live, results):
             owner.array = value
         checks.after_flush(g, results)  # NaN/Inf checks name the op and line
+        if refused is not None:
+            raise refused
 
     def _recover(self, g, live, live_refs, site, error):
         """A fused graph failed to compile or run: run its ops one by one.
