@@ -60,11 +60,13 @@ def test_moving_reads_of_every_view_kind(mode):
         want = [x[i:i + 6], x[i], x.narrow(0, i, 4), x[:, :, 1:4][i:i + 3], x[i:i + 6].transpose(0, 2),
                 x.select(1, i % 6), x.flatten()[i:i + 40].unfold(0, 8, 4)]
         for g, w in zip(got, want):
-            assert_same(g * 2, w * 2)  # a kernel reading the view
-            assert_same(g, w)          # the view read back to the host
-        if step == 2:
-            # (Fused mode compiles some graphs of the second step at the
-            # third: its 14 flushes a step at one line look like churn.)
+            # A kernel reading the view, and the view read back to the host
+            # (flushed here: fused mode's churn guard counts per line).
+            torch.testing.assert_close((g * 2).cpu(), w * 2)
+            torch.testing.assert_close(g.cpu(), w)
+        if step == 3:
+            # (Fused mode compiles some graphs of the second step later:
+            # its 14 flushes a step at one line look like churn.)
             torchtpu.sync()
             before = _compilations()
     torchtpu.sync()
