@@ -15,8 +15,8 @@ _state = {"thread": None, "running": None}
 
 
 class Job:
-    """work() run on the compile thread: ready() says whether it finished
-    (raising its error if it failed); value is what it returned."""
+    """work() run on the compile thread: done once it finished, with what
+    it returned (value) or raised (error)."""
     __slots__ = ("work", "done", "value", "error", "seconds")
 
     def __init__(self, work):
@@ -24,13 +24,6 @@ class Job:
         self.done = False
         self.value = self.error = None
         self.seconds = 0.0
-
-    def ready(self):
-        if not self.done:
-            return False
-        if self.error is not None:
-            raise self.error
-        return True
 
 
 def finished(value):
@@ -60,12 +53,6 @@ def wait():
     with _cv:
         while _queue or _state["running"] is not None:
             _cv.wait()
-
-
-def pending():
-    """How many jobs are queued or running."""
-    with _cv:
-        return len(_queue) + (_state["running"] is not None)
 
 
 def _loop():

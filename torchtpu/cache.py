@@ -452,8 +452,10 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
     key = None
     if key_text is not None and disk is not None:
         key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
-        _note_startup(key, device)
         _, compiled = _stored_executable(disk, key, device)
+        if compiled is not None or compile:
+            # (A record that is, or will be, there: the next start-up loads it ahead.)
+            _note_startup(key, device)
         if compiled is not None:
             STATS.programs_loaded += 1
             return background.finished(compiled)
