@@ -14,55 +14,10 @@ import time
 import jax
 import jax.numpy as jnp
 import torch
-import torch.nn.functional as F
 
 import torchtpu
 from common import alternating_ms, settle, timings
-
-
-# ---- models ----------------------------------------------------------------
-
-def mlp(sizes=(784, 1024, 1024, 10)):
-    a, b, c, d = sizes
-    return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU(),
-                               torch.nn.Linear(b, c), torch.nn.ReLU(),
-                               torch.nn.Linear(c, d))
-
-
-def mlp_batch(batch=128, features=784, classes=10):
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(batch, features, generator=g),
-            torch.randint(0, classes, (batch,), generator=g))
-
-
-class TinyGPT(torch.nn.Module):
-    def __init__(self, vocab=512, d=256, heads=4, layers=4, seq=128):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, d)
-        self.pos = torch.nn.Parameter(torch.zeros(seq, d))
-        layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True)
-        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(d, vocab)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq))
-
-    def forward(self, tokens):
-        h = self.embed(tokens) + self.pos
-        return self.head(self.blocks(h, mask=self.mask, is_causal=True))
-
-
-def gpt_batch(batch=8, seq=128, vocab=512):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1).contiguous()
-
-
-def loss_step(model, opt, x, y):
-    opt.zero_grad(set_to_none=True)
-    out = model(x)
-    loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y)
-    loss.backward()
-    opt.step()
-    return loss
+from workloads import TinyGPT, gpt_batch, loss_step, mlp, mlp_batch, torch_step_fn  # noqa: F401
 
 
 def _torch_step(model, opt, x, y):
@@ -73,12 +28,11 @@ def step_fn(make_model, make_batch, mode, device="tpu"):
     """One AdamW training step of a fresh model (seeded) as run(): in an
     eager mode ("fused", "strict", "debug"), or PyTorch's own ("torch") on
     device; it ends reading the loss, as a training loop that logs it does."""
+    if mode == "torch":
+        return torch_step_fn(make_model, make_batch, device)
     torch.manual_seed(0)
     model = make_model()
     x, y = make_batch()
-    if mode == "torch":
-        model, x, y = model.to(device), x.to(device), y.to(device)
-        return _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x, y)
     with torchtpu.eager_mode(mode):
         model = model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -53,14 +53,14 @@ RATIOS = [("fused", "cuda_eager"), ("replayed", "cuda_eager"), ("compiled", "cud
 
 def _makers(model, smoke):
     import functools
-    import fused
+    import workloads
     size = SIZES[smoke][model]
     if model == "mlp":
-        return (functools.partial(fused.mlp, size["sizes"]),
-                functools.partial(fused.mlp_batch, size["batch"], size["sizes"][0], size["sizes"][-1]))
+        return (functools.partial(workloads.mlp, size["sizes"]),
+                functools.partial(workloads.mlp_batch, size["batch"], size["sizes"][0], size["sizes"][-1]))
     spec = {k: size[k] for k in ("vocab", "d", "heads", "layers", "seq")}
-    return (functools.partial(fused.TinyGPT, **spec),
-            functools.partial(fused.gpt_batch, size["batch"], size["seq"], size["vocab"]))
+    return (functools.partial(workloads.TinyGPT, **spec),
+            functools.partial(workloads.gpt_batch, size["batch"], size["seq"], size["vocab"]))
 
 
 def _inductor_step_fn(make_model, make_batch, device):
@@ -92,12 +92,20 @@ def _inductor_step_fn(make_model, make_batch, device):
 
 def _measure_step(model, mode, smoke):
     import torch
-    import fused
     from common import timings
     make_model, make_batch = _makers(model, smoke)
     repeats = SIZES[smoke]["repeats"][model]
     warmup = 3
     extra = {}
+    if mode == "cuda_eager":
+        import workloads
+        run = workloads.torch_step_fn(make_model, make_batch, "cuda")
+    elif mode == "inductor":
+        run, warmup = _inductor_step_fn(make_model, make_batch, "cuda"), 6
+    else:
+        # Not imported for PyTorch's own rows: with torchtpu registered, a
+        # CUDA backward fails in PyTorch's autograd (pytorch#161129).
+        import fused
     if mode in ("strict", "fused"):
         run = fused.step_fn(make_model, make_batch, mode)
     elif mode == "replayed":
@@ -108,11 +116,7 @@ def _measure_step(model, mode, smoke):
         run, warmup = compiled.compiled_step_fn(make_model, make_batch), 6
     elif mode == "jax_jit":
         run = fused.jax_mlp_step_fn(make_model, make_batch)
-    elif mode == "cuda_eager":
-        run = fused.step_fn(make_model, make_batch, "torch", "cuda")
-    elif mode == "inductor":
-        run, warmup = _inductor_step_fn(make_model, make_batch, "cuda"), 6
-    else:
+    elif mode not in CUDA_MODES:
         raise ValueError(f"unknown mode {mode!r}")
     start = time.perf_counter()
     for _ in range(warmup):
@@ -174,9 +178,7 @@ def _child_env(spec):
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # Several processes take turns on one GPU: none keeps 75% of it.
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if spec["smoke"] or spec.get("mode") in CUDA_MODES:
-        # PyTorch's own rows leave the GPU to PyTorch (torchtpu is imported
-        # with the models, its JAX stays on the host).
+    if spec["smoke"]:
         env["TORCHTPU_PLATFORM"] = "cpu"
         env["JAX_PLATFORMS"] = "cpu"
     return env
@@ -210,6 +212,19 @@ def plan(smoke, cuda):
     for s in specs:
         s["smoke"] = smoke
     return specs
+
+
+def _chosen(specs, rows):
+    """The specs that rows name, in the order rows names them."""
+    chosen = []
+    for row in rows:
+        model, _, mode = row.partition(":")
+        found = [s for s in specs if s.get("model", s["what"]) == model
+                 and (not mode or s.get("mode") == mode)]
+        if not found:
+            raise SystemExit(f"--rows: no figure {row!r}")
+        chosen += [s for s in found if s not in chosen]
+    return chosen
 
 
 def _cell(value, fmt="{:.2f}"):
@@ -263,6 +278,8 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=540.0,
                         help="seconds for the whole run (default 540: a 10-minute slot)")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per child")
+    parser.add_argument("--rows", help="only these figures, in this order: comma-separated "
+                        "MODEL:MODE (e.g. gpt:fused,mlp:inductor), MODEL, or per_op")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -281,6 +298,8 @@ def _run(args):
     env = run_child({"what": "env", "smoke": args.smoke}, args.timeout)
     results = {"env": env, "steps": {}}
     specs = plan(args.smoke, bool(env.get("cuda")) and not args.smoke)[1:]
+    if args.rows:
+        specs = _chosen(specs, args.rows.split(","))
     for spec in specs:
         left = args.budget - (time.perf_counter() - start)
         if left < 20:

@@ -18,7 +18,7 @@ from .ops import amp as grad_scaler_ops
 from .ops.pointwise import _TORCH_NAMES
 from .tensor import TpuTensor
 
-aten = torch.ops.aten
+from .compat import aten
 
 # CUDA's autocast policy (PyTorch's aten/src/ATen/autocast_mode.cpp), for
 # the aten ops CUDA registers at its Autocast key; tests check it is the

@@ -11,7 +11,7 @@ from . import graphs, memory, properties, runtime, streams
 from .ops import random as _random
 from .streams import synchronize
 
-aten = torch.ops.aten
+from .compat import aten
 
 
 def get_device(index=0):

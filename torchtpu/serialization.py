@@ -33,7 +33,7 @@ from . import dispatch, modes, properties, runtime
 from .tensor import (DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, check_in_storage,
                      contiguous_strides, storage_dtype, view_tensor, whole_tensor)
 
-aten = torch.ops.aten
+from .compat import aten
 
 # Between CPU's location tag (10) and CUDA's (20): ahead of PyTorch's generic
 # one for the renamed PrivateUse1 device (23), whose restore would allocate

@@ -29,7 +29,7 @@ from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _f
                       kernel_device, meta_outcome, offsets_fed, written_checked)
 from .plans import _INDICES, SPECIAL, Plan
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 # ---- per-op plans ----------------------------------------------------------

@@ -11,7 +11,7 @@ from .host import download, to_tpu
 from .plans import SPECIAL
 from .transfers import _into
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 

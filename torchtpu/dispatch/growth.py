@@ -38,7 +38,7 @@ from ..tensor import GrownStorage, TpuTensor, whole_tensor
 from .core import _run_lowered, dispatch, plan_of
 from .plans import SPECIAL
 
-aten = torch.ops.aten
+from ..compat import aten
 
 ENABLED = os.environ.get("TORCHTPU_GROWTH", "on").lower() not in ("0", "off", "false", "no")
 GROWTH_MIN = max(1, int(os.environ.get("TORCHTPU_GROWTH_MIN", "128")))

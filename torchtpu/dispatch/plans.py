@@ -7,7 +7,7 @@ import torch
 
 from ..ops import LOWERINGS
 
-aten = torch.ops.aten
+from ..compat import aten
 
 _DYNAMIC_SCALAR_TYPES = (int, float, complex)
 _TENSORISH = ("Tensor", "Optional[Tensor]", "number", "Optional[number]")

@@ -13,7 +13,7 @@ from .host import download
 from .plans import SPECIAL
 from .transfers import _copy_, _into, _local_scalar_dense
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def _unsafe_view(x, size):

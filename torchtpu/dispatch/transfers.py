@@ -11,7 +11,7 @@ from .core import _run_lowered, plan_of, resize
 from .host import device_array, download, to_tpu
 from .plans import SPECIAL
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def _copy_(dst, src, non_blocking=False):

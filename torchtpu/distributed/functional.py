@@ -22,11 +22,12 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                        ReduceScatterOptions)
 from torch.distributed import distributed_c10d as c10d
 
+from ..compat import c10d_functional, has_op
 from ..dispatch.plans import SPECIAL
 from . import p2p
 from .process_group import TpuProcessGroup
 
-functional = torch.ops._c10d_functional
+functional = c10d_functional
 
 
 def _group(group_name):
@@ -209,6 +210,7 @@ HANDLERS = {
     functional.batch_p2p_ops.default: batch_p2p_ops,
     functional.wait_tensor.default: wait_tensor,
 }
+HANDLERS = {op: handler for op, handler in HANDLERS.items() if has_op(op)}
 
 
 def register():

@@ -9,11 +9,10 @@ call (torchtpu.amp).
 """
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 from .registry import lower
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 @lower(aten._amp_foreach_non_finite_check_and_unscale.default)

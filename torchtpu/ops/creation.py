@@ -1,12 +1,11 @@
 """Factories, copies and dtype conversion."""
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 from .registry import lower
 from .util import ctx_dtype
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def _out_shape(i=0):

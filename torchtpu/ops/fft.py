@@ -8,12 +8,11 @@ sizes along the transformed dims: the input's for r2c and c2c, the output's
 import math
 
 import jax.numpy as jnp
-import torch
 
 from .registry import lower
 from .util import ctx_dtype
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def _dims(x, dim):

@@ -14,7 +14,7 @@ import torch
 from .registry import lower
 from .util import ctx_dtype
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def wrap(index, size):

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
-import torch
 from jax import lax
 
 from .registry import ctx, lower
 from .util import ctx_dtype, rounder
 
-aten = torch.ops.aten
+from ..compat import aten
 HIGHEST = lax.Precision.HIGHEST
 
 

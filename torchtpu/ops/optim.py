@@ -12,12 +12,11 @@ The learning rate is traced (a scheduler changes it every step without a new
 kernel); the other hyperparameters are constants of the kernel.
 """
 import jax.numpy as jnp
-import torch
 
 from .registry import lower
 from .util import bad_input
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def _opmath(dtype):

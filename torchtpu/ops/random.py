@@ -16,7 +16,7 @@ import torch
 from .registry import ctx, lower
 from .util import ctx_dtype
 
-aten = torch.ops.aten
+from ..compat import aten
 
 _state = {"seed": 67280421310721, "offset": 0}
 

@@ -2,13 +2,12 @@
 concatenation, flips and rolls, padding, triangles, dtype reinterpretation."""
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from .registry import lower
 from .util import ctx_dtype
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def _out_shape(i=0):

@@ -4,14 +4,13 @@ approximations and three-term recurrences, aten/src/ATen/native/Math.h).
 Branch conditions, thresholds and the order of operations follow Math.h so
 that values match, nan and edge cases included."""
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from .registry import lower
 from .pointwise.common import guard
 from .util import KIND, promote
 
-aten = torch.ops.aten
+from ..compat import aten
 
 
 def _overloads(op):

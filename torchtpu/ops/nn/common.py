@@ -2,10 +2,9 @@
 full precision, per-dim arguments given once for all dims, and one matrix
 applied per trailing dim (resampling, adaptive average pooling)."""
 import jax.numpy as jnp
-import torch
 from jax import lax
 
-aten = torch.ops.aten
+from ...compat import aten
 HIGHEST = lax.Precision.HIGHEST
 
 

@@ -4,7 +4,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ..registry import lower
@@ -12,7 +11,7 @@ from ..util import cast, promote
 from .common import _is_complex, guard
 from .logic import clamp
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 def _opmath(*xs):

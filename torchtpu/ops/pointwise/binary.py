@@ -2,14 +2,13 @@
 maximum/minimum, xlogy, heaviside, gcd/lcm) and the ternary lerp, addcmul
 and addcdiv."""
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ..registry import lower
 from ..util import KIND, cast, promote
 from .common import _binary, _is_complex, _is_int, guard
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 # ---- binary arithmetic ----------------------------------------------------

@@ -8,7 +8,7 @@ from ..registry import LOWERINGS, lower
 from . import activation, gamma, logic, unary  # noqa: F401  (registered before the lookup)
 from .binary import addcdiv, addcmul, pow_
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 def _foreach(elem, per_item=()):

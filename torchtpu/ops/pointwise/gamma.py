@@ -6,14 +6,13 @@ import math
 import jax.numpy as jnp
 import jax.scipy.special as jss
 import numpy as np
-import torch
 from jax import lax
 
 from ..registry import lower
 from ..util import KIND, promote
 from .common import guard
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 def _digamma(x):

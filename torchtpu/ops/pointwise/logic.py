@@ -1,14 +1,13 @@
 """Comparisons (isin among them), logical and bitwise ops and shifts,
 selection (where) and clamping."""
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ..registry import lower
 from ..util import KIND, promote
 from .common import _binary, guard
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 # ---- comparisons, logic, bits ---------------------------------------------

@@ -4,7 +4,6 @@ nan_to_num)."""
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
-import torch
 from jax import lax
 
 from ..registry import lower
@@ -12,7 +11,7 @@ from ..util import KIND, ctx_dtype, promote
 from .common import _is_complex, _is_float, _is_int, _unary, guard
 from .gamma import _digamma
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 # ---- unary math -----------------------------------------------------------

@@ -1,13 +1,12 @@
 """Scans along one dim: cumsum, cumprod, logcumsumexp, cummax and cummin."""
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ..registry import lower
 from ..util import KIND, ctx_dtype, promote
 from .common import _acc, _isnan, _require
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 def _scan(jfn):

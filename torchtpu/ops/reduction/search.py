@@ -9,7 +9,7 @@ from ..registry import ctx, lower
 from ..util import ctx_dtype, is_weak_scalar, jdt, tdt
 from .common import _acc, _require
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 # ---- searching -----------------------------------------------------------------

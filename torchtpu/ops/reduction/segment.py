@@ -2,13 +2,12 @@
 by lengths or offsets along one axis."""
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ..registry import lower
 from .common import _acc
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 def _segment_layout(data, lengths, offsets, axis):

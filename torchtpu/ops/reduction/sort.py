@@ -2,13 +2,12 @@
 nanmedian, with the replay of CPU's partition steps that gives equal elements
 CPU's indices (up to REPLAY_MAX elements)."""
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ..registry import lower
 from .common import _isnan, _require
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 # PyTorch's CPU sort (stable=False), topk and kthvalue run libstdc++'s

@@ -2,14 +2,13 @@
 their indices, moments, logsumexp, vector norms (with the _foreach_ norms and
 renorm) and hash_tensor."""
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from ..registry import ctx, lower
 from ..util import KIND, ctx_dtype, jdt, promote
 from .common import _acc, _isnan, _require
 
-aten = torch.ops.aten
+from ...compat import aten
 
 
 def _axes(x, dim):
