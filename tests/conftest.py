@@ -38,6 +38,15 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_flush_sites():
+    """Each test starts fused mode's churn guard afresh: it counts new graphs
+    per flush line, and lines shared by tests (a helper's) would otherwise
+    carry earlier tests' graphs into this one's count."""
+    torchtpu.modes.forget_flush_sites()
+    yield
+
+
 def to_cpu(x):
     """tpu tensors (in any structure) -> CPU tensors; everything else as is."""
     if isinstance(x, torch.Tensor):

@@ -66,6 +66,15 @@ def eager_mode(name):
         set_eager_mode(previous)
 
 
+def forget_flush_sites():
+    """Forget which graphs earlier flushes brought at each line (fused mode's
+    churn guard), as a new process would."""
+    for ex in _executors.values():
+        forget = getattr(ex, "forget_sites", None)
+        if forget is not None:
+            forget()
+
+
 def sync():
     """Wait for all pending work."""
     metrics.M.syncs += 1

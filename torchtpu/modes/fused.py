@@ -434,6 +434,11 @@ class FusedExecutor(StrictExecutor):
         STATS.graphs_compiled += 1
         return cache.store(key, (_build_graph(g, live_refs, donate, "background"), kernels))[0], "compiling"
 
+    def forget_sites(self):
+        """Forget which graphs earlier flushes brought at each line (the
+        churn guard's history), as a new process would."""
+        self._regions.clear()
+
     def _note_churn(self, site, key, hit):
         """(whether to run this flush op by op, whether its graph was
         flushed at this site before). Op by op: its graph is new to this
