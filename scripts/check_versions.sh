@@ -55,7 +55,7 @@ fi
 cd "$ROOT"
 "$VENV/bin/python" -c 'import sys, torch, jax; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, JAX {jax.__version__}")'
 start=$(date +%s)
-"$VENV/bin/python" -m pytest -n 2 -q -p no:cacheprovider \
+"$VENV/bin/python" -m pytest -n 2 -p no:cacheprovider \
     tests/test_modes.py tests/test_training.py tests/test_fused.py tests/test_cache.py \
     tests/test_compile.py tests/test_graphs.py tests/test_serialization.py
 "$VENV/bin/python" benchmarks/gpu.py --smoke

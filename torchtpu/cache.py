@@ -46,7 +46,7 @@ import warnings
 import jax
 from jax import monitoring
 
-from . import background, metrics
+from . import background, compat, metrics
 from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
     CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, PROGRAM_PREFIX, STATS, TMP_PREFIX,
     VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
@@ -327,8 +327,7 @@ def _load_executable(header, rest, device):
     if header.get("lapack") and not _lapack_ready:
         # An executable calls LAPACK through handlers JAX sets up while it
         # lowers a linear-algebra op; a loaded one needs them too.
-        from jax._src.lax import linalg
-        linalg.initialize_lapack()
+        compat.initialize_lapack()
         _lapack_ready = True
     n = header["trees"]
     in_tree, out_tree = pickle.loads(rest[:n])

@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 
-from . import metrics
+from . import compat, metrics
 
 try:
     import fcntl
@@ -374,12 +374,7 @@ def _warn_once(what, message):
 
 # ---- the storage backend JAX writes through -----------------------------------
 
-try:
-    from jax._src import compilation_cache as _jax_cc
-    from jax._src.compilation_cache_interface import CacheInterface as _CacheInterface
-except ImportError:  # pragma: no cover - JAX moved its internals
-    _jax_cc = None
-    _CacheInterface = object
+_jax_cc, _CacheInterface = compat.compilation_cache()
 
 
 class DiskCache(_CacheInterface):

@@ -15,7 +15,6 @@ arguments are tensors, None, numbers, ...), defined at its first call:
 Python floats and ints are traced (a new value compiles nothing) unless
 named static; bools, strings and tuples are static.
 """
-import contextlib
 import inspect
 import itertools
 
@@ -24,13 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-try:  # JAX's own config state: another JAX version may move it
-    from jax._src.config import traceback_filtering as _traceback_filtering
-except ImportError:  # pragma: no cover
-    def _traceback_filtering(_value):
-        return contextlib.nullcontext()
-
 from . import errors, runtime
+from .compat import traceback_filtering as _traceback_filtering
 from .ops.registry import lower
 
 NAMESPACE = "torchtpu_kernels"

@@ -101,11 +101,8 @@ def _host_devices_for(local_world_size):
 def tpu_chips():
     """The TPU chips on this host's PCI bus (0 off TPU hosts), read without
     starting the TPU runtime."""
-    try:
-        from jax._src import hardware_utils
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
-    except (ImportError, AttributeError, OSError):
-        return 0
+    from ..compat import tpu_chip_count
+    return tpu_chip_count()
 
 
 def tpu_environment(local_rank, local_world_size, world_size, chips, environ):

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import threading
 
+from ..compat import jax_extension
+
 SWITCH = "TORCHTPU_COORDINATOR_PROCESS"
 
 # The child: start the service, say so, wait for the parent's word or end.
@@ -86,10 +88,8 @@ class ServiceProcess:
 def serving(enabled):
     """jax.distributed.initialize inside starts its service as a child
     process (enabled) or, as JAX does, in this process."""
-    try:
-        from jax._src.lib import _jax
-        start = _jax.get_distributed_runtime_service
-    except (ImportError, AttributeError):  # another JAX: keep JAX's way
+    extension = jax_extension()
+    if extension is None:  # another JAX: keep JAX's way
         enabled = False
     if not enabled:
         yield
@@ -98,8 +98,9 @@ def serving(enabled):
     def start_child(address, num_nodes, **options):
         return ServiceProcess(address, num_nodes, options)
 
-    _jax.get_distributed_runtime_service = start_child
+    start = extension.get_distributed_runtime_service
+    extension.get_distributed_runtime_service = start_child
     try:
         yield
     finally:
-        _jax.get_distributed_runtime_service = start
+        extension.get_distributed_runtime_service = start
