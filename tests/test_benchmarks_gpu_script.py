@@ -46,3 +46,40 @@ def test_gpu_script_smoke_run_fills_its_tables(tmp_path):
         kept, total = steps["replayed"]["in_place"].split(" of ")
         assert kept == total and int(total) > 0
         assert cells[-1] == steps["replayed"]["in_place"]
+
+
+def test_pytorch_rows_run_without_torchtpu():
+    """PyTorch's own rows (CUDA eager, Inductor) train the same models in a
+    process that never imports torchtpu: with a PrivateUse1 backend
+    registered, PyTorch's autograd fails any CUDA backward (pytorch#161129).
+    Here on CPU: the models' step trains, and torchtpu stays unimported."""
+    code = ("import sys; sys.path[:0] = [sys.argv[1]]\n"
+            "import functools, workloads\n"
+            "make = functools.partial(workloads.mlp, (8, 16, 16, 3))\n"
+            "batch = functools.partial(workloads.mlp_batch, 4, 8, 3)\n"
+            "run = workloads.torch_step_fn(make, batch, 'cpu')\n"
+            "losses = [run() for _ in range(3)]\n"
+            "assert losses[2] < losses[0], losses\n"
+            "assert 'torchtpu' not in sys.modules and 'jax' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "benchmarks")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_rows_pick_figures_in_order():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    specs = gpu.plan(smoke=False, cuda=True)
+    chosen = gpu._chosen(specs, ["gpt:inductor", "mlp", "per_op"])
+    assert [(s.get("model"), s.get("mode")) for s in chosen] == (
+        [("gpt", "inductor")] + [("mlp", m) for m in gpu.TPU_MODES + ("jax_jit",) + gpu.CUDA_MODES]
+        + [(None, None)])
+    try:
+        gpu._chosen(specs, ["gpt:nonesuch"])
+    except SystemExit as e:
+        assert "gpt:nonesuch" in str(e)
+    else:
+        raise AssertionError("an unknown figure was accepted")

@@ -11,9 +11,6 @@ import contextlib
 
 import torch
 
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-
-
 class MissingOp:
     """An aten op (or one of its overloads) that this torch does not have."""
     __slots__ = ("name",)
