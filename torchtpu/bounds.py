@@ -132,24 +132,6 @@ class _Check:
         self.where = where
 
 
-# code object -> whether it is torchtpu's, torch's or JAX's (errors.is_internal),
-# so that finding the user's line for each checked op is a few dict lookups.
-_internal = {}
-
-
-def issuing_line(frame):
-    """(file, line) of the innermost frame outside torchtpu, torch and JAX."""
-    while frame is not None:
-        code = frame.f_code
-        internal = _internal.get(code)
-        if internal is None:
-            internal = _internal[code] = errors.is_internal(code.co_filename)
-        if not internal:
-            return code.co_filename, frame.f_lineno
-        frame = frame.f_back
-    return "<unknown>", 0
-
-
 _unread = []  # _Check per op merged into a `running` flag, in issue order
 # id(storage) -> (weak reference to it, the unread checks its value depends
 # on: bit k for _unread[k]); empty whenever no flag is unread. An entry whose
@@ -192,7 +174,7 @@ def note(bound, func, flag, inputs, produced, frame, device=0):
     f.running.assign(flag)
     f.positions.append(len(_unread))
     _taint(produced, _deps(inputs) | (1 << len(_unread)))
-    _unread.append(_Check(bound, func, issuing_line(frame)))
+    _unread.append(_Check(bound, func, errors.user_site(frame)))
     if len(_unread) >= MAX_UNREAD:
         check()
 

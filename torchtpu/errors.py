@@ -56,12 +56,31 @@ def is_internal(filename):
     return filename.startswith(_SKIP) or filename.startswith("<frozen")
 
 
+# code object -> whether it is torchtpu's, torch's or JAX's, so that finding
+# the user's line (for each checked op, each flush) is a few dict lookups.
+_internal_code = {}
+
+
 def user_frame(frame=None):
     """The innermost frame outside torchtpu, torch and JAX."""
     frame = frame or sys._getframe(1)
-    while frame is not None and is_internal(frame.f_code.co_filename):
+    while frame is not None:
+        code = frame.f_code
+        internal = _internal_code.get(code)
+        if internal is None:
+            internal = _internal_code[code] = is_internal(code.co_filename)
+        if not internal:
+            return frame
         frame = frame.f_back
-    return frame
+    return None
+
+
+def user_site(frame=None):
+    """(file, line) of the user's innermost frame, or ("<unknown>", 0)."""
+    frame = user_frame(frame or sys._getframe(1))
+    if frame is None:
+        return "<unknown>", 0
+    return frame.f_code.co_filename, frame.f_lineno
 
 
 def user_line(frame=None):

@@ -29,7 +29,7 @@ from .. import bounds, errors, metrics, runtime
 from . import checks as value_checks
 from ..ops import random as rng
 from ..tensor import Lost, Pending, Storage
-from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _live, _user_line
+from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _live
 
 
 class CaptureSyncError(RuntimeError):
@@ -38,7 +38,7 @@ class CaptureSyncError(RuntimeError):
 
 def _sync_error(what):
     return CaptureSyncError(
-        f"torchtpu: {what} at {_user_line()} is a sync point, which is not allowed while "
+        f"torchtpu: {what} at {errors.user_line(sys._getframe(1))} is a sync point, which is not allowed while "
         "capturing a tpu graph (operation not permitted when stream is capturing): "
         "move it out of the torch.tpu.graph block")
 
@@ -70,7 +70,7 @@ class CaptureExecutor(FusedExecutor):
             if (offset != self._rng_offset + 1 or rng._state["seed"] != self._rng_seed
                     or n_scalars < 2 or flat[-1] != offset - 1 or flat[-2] != self._rng_seed):
                 self._fail(RuntimeError(
-                    f"torchtpu: the random op {kernel.name} at {_user_line()} draws from the "
+                    f"torchtpu: the random op {kernel.name} at {errors.user_line(sys._getframe(1))} draws from the "
                     "generator in a way graph replay cannot repeat (a seed set inside "
                     "capture, or a key taken outside its kernel)"))
             self._rng_offset = offset

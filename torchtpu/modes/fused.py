@@ -104,18 +104,6 @@ STATS = _Stats()
 metrics.register_provider(STATS.snapshot, STATS.reset)
 
 
-def _user_line():
-    """file:line of the innermost frame outside torch and torchtpu."""
-    frame = sys._getframe(1)
-    skip = (os.sep + "torchtpu" + os.sep, os.sep + "torch" + os.sep, os.sep + "jax" + os.sep)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not any(s in name for s in skip) and not name.startswith("<frozen"):
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
-
-
 class _Graph:
     """The ops recorded since the last flush."""
 
@@ -315,7 +303,7 @@ class FusedExecutor(StrictExecutor):
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
-        site = _user_line()
+        site = errors.user_line(sys._getframe(1))
         refused = None
         if entry is None:
             try:
