@@ -25,6 +25,8 @@ import sys
 import jax
 import torch
 
+from . import compat
+
 
 def _dir(module):
     return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
@@ -420,7 +422,7 @@ def _spec_target(x, target, weight, reduction, ignore_index, *rest, **kw):
     return [(target, 1 if x.ndim >= 2 else 0, classes, False, ignore_index)]
 
 
-_aten = torch.ops.aten
+_aten = compat.aten
 _INDEX = Bound(_spec_indices, IndexError, _index_message)
 _GATHER = Bound(_spec_dim(False), RuntimeError, _index_message)
 _ALONG = Bound(_spec_dim(False), IndexError, _index_message)
