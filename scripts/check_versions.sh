@@ -30,7 +30,7 @@ spec() {  # "2.11" -> "==2.11.*"; "2.11.0" -> "==2.11.0"
 
 if [ -z "$PYTHON" ]; then
     INTERP=$(command -v python3)
-elif command -v "python$PYTHON" >/dev/null 2>&1; then
+elif "python$PYTHON" -c pass >/dev/null 2>&1; then  # (a pyenv shim may not run)
     INTERP=$(command -v "python$PYTHON")
 else
     INTERP=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$PYTHON"*/bin/python 2>/dev/null | sort -V | tail -1)
