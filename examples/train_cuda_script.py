@@ -3,6 +3,8 @@
 The only change from its CUDA form is the device line:
     device = torch.device("cuda")   ->   device = torchtpu.get_device()
 """
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -70,7 +72,8 @@ def main(epochs=4, batch_size=64):
             accuracy = (pred == test_y.to(device)).float().mean().item()
         print(f"epoch {epoch + 1}: loss {total / batches:.4f}  test accuracy {accuracy:.3f}")
 
-    print(torchtpu.metrics.report())
+    # The full table: torchtpu.metrics.report() (python train_cuda_script.py --report).
+    print(torchtpu.metrics.report() if "--report" in sys.argv else torchtpu.metrics.summary())
 
 
 if __name__ == "__main__":

@@ -309,3 +309,23 @@ def test_advisor_off_adds_nothing(monkeypatch):
     monkeypatch.setattr(advisor, "ON", False)
     assert "advisor" not in metrics.report()
     assert "<table>" in metrics.report()._repr_html_()
+
+
+def test_summary_is_five_lines_of_the_first_figures():
+    metrics.reset()
+    x = torch.arange(6.0, device="tpu").reshape(2, 3)
+    y = (x * 2).sum().item()
+    assert y == 30.0
+    snap = metrics.snapshot()
+    lines = metrics.summary().splitlines()
+    assert len(lines) == 5
+    assert lines[0] == f"torchtpu: {snap['ops_dispatched']} ops dispatched"
+    assert lines[1].startswith(f"  compilations: {snap['compilations']} (")
+    assert lines[2] == (f"  cache hits: {snap['memory_cache_hits']} in memory, "
+                        f"{snap['disk_cache_hits']} from disk")
+    assert lines[3] == f"  syncs (host reads of device values): {snap['syncs']}"
+    assert lines[4] == "  CPU fallbacks: none"
+    metrics.M.cpu_fallbacks["aten.foo.default"] += 3
+    assert metrics.summary().splitlines()[4] == "  CPU fallbacks: aten.foo.default x3"
+    metrics.reset()
+

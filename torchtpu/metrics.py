@@ -110,3 +110,21 @@ def report():
     if footer:
         lines += ["", footer]
     return Report("\n".join(lines))
+
+
+def summary():
+    """Five lines of the figures a newcomer looks at first (report() has
+    them all): ops, compilations and the time they took, cache hits, syncs,
+    and the ops that ran on the CPU."""
+    snap = snapshot()
+    fallbacks = snap["cpu_fallbacks"]
+    fell_back = (", ".join(f"{op} x{n}" for op, n in sorted(fallbacks.items(), key=lambda kv: -kv[1]))
+                 if fallbacks else "none")
+    return "\n".join([
+        f"torchtpu: {snap['ops_dispatched']} ops dispatched",
+        f"  compilations: {snap['compilations']} ({snap['compile_seconds']:.1f} s compiling)",
+        f"  cache hits: {snap['memory_cache_hits']} in memory, {snap['disk_cache_hits']} from disk",
+        f"  syncs (host reads of device values): {snap['syncs']}",
+        f"  CPU fallbacks: {fell_back}",
+    ])
+
