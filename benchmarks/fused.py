@@ -17,11 +17,8 @@ import torch
 
 import torchtpu
 from common import alternating_ms, settle, timings
-from workloads import TinyGPT, gpt_batch, loss_step, mlp, mlp_batch, torch_step_fn  # noqa: F401
-
-
-def _torch_step(model, opt, x, y):
-    return lambda: loss_step(model, opt, x, y).item()
+from workloads import (TinyGPT, gpt_batch, loss_step, mlp, mlp_batch,  # noqa: F401
+                       step_reading_loss, torch_step_fn)
 
 
 def step_fn(make_model, make_batch, mode, device="tpu"):
@@ -36,7 +33,7 @@ def step_fn(make_model, make_batch, mode, device="tpu"):
     with torchtpu.eager_mode(mode):
         model = model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step = _torch_step(model, opt, x.to(device), y.to(device))
+        step = step_reading_loss(model, opt, x.to(device), y.to(device))
 
     def run():
         with torchtpu.eager_mode(mode):

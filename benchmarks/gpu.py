@@ -90,34 +90,37 @@ def _inductor_step_fn(make_model, make_batch, device):
     return run
 
 
+def _tpu_step(mode, make_model, make_batch):
+    """(run, warm-up steps, extra figures) of a torchtpu row."""
+    # Imported only here, not for PyTorch's own rows: with torchtpu
+    # registered, a CUDA backward fails in PyTorch's autograd (pytorch#161129).
+    import fused
+    if mode in ("strict", "fused"):
+        return fused.step_fn(make_model, make_batch, mode), 3, {}
+    if mode == "replayed":
+        run = fused.replayed_step_fn(make_model, make_batch)
+        return run, 3, {"in_place": "%d of %d" % fused.in_place(run)}
+    if mode == "compiled":
+        import compiled
+        return compiled.compiled_step_fn(make_model, make_batch), 6, {}
+    if mode == "jax_jit":
+        return fused.jax_mlp_step_fn(make_model, make_batch), 3, {}
+    raise ValueError(f"unknown mode {mode!r}")
+
+
 def _measure_step(model, mode, smoke):
     import torch
     from common import timings
     make_model, make_batch = _makers(model, smoke)
     repeats = SIZES[smoke]["repeats"][model]
-    warmup = 3
     extra = {}
     if mode == "cuda_eager":
         import workloads
-        run = workloads.torch_step_fn(make_model, make_batch, "cuda")
+        run, warmup = workloads.torch_step_fn(make_model, make_batch, "cuda"), 3
     elif mode == "inductor":
         run, warmup = _inductor_step_fn(make_model, make_batch, "cuda"), 6
     else:
-        # Not imported for PyTorch's own rows: with torchtpu registered, a
-        # CUDA backward fails in PyTorch's autograd (pytorch#161129).
-        import fused
-    if mode in ("strict", "fused"):
-        run = fused.step_fn(make_model, make_batch, mode)
-    elif mode == "replayed":
-        run = fused.replayed_step_fn(make_model, make_batch)
-        extra["in_place"] = "%d of %d" % fused.in_place(run)
-    elif mode == "compiled":
-        import compiled
-        run, warmup = compiled.compiled_step_fn(make_model, make_batch), 6
-    elif mode == "jax_jit":
-        run = fused.jax_mlp_step_fn(make_model, make_batch)
-    elif mode not in CUDA_MODES:
-        raise ValueError(f"unknown mode {mode!r}")
+        run, warmup, extra = _tpu_step(mode, make_model, make_batch)
     start = time.perf_counter()
     for _ in range(warmup):
         run()

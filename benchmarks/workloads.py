@@ -49,6 +49,10 @@ def loss_step(model, opt, x, y):
     return loss
 
 
+def step_reading_loss(model, opt, x, y):
+    """run(): one training step that ends reading the loss, as a training
+    loop that logs it does."""
+    return lambda: loss_step(model, opt, x, y).item()
 
 
 def torch_step_fn(make_model, make_batch, device):
@@ -57,5 +61,4 @@ def torch_step_fn(make_model, make_batch, device):
     torch.manual_seed(0)
     model = make_model().to(device)
     x, y = (t.to(device) for t in make_batch())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return lambda: loss_step(model, opt, x, y).item()
+    return step_reading_loss(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x, y)

@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+
 class MissingOp:
     """An aten op (or one of its overloads) that this torch does not have."""
     __slots__ = ("name",)

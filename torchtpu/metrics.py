@@ -127,4 +127,3 @@ def summary():
         f"  syncs (host reads of device values): {snap['syncs']}",
         f"  CPU fallbacks: {fell_back}",
     ])
-
