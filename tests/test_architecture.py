@@ -94,3 +94,49 @@ def test_no_file_over_800_lines():
 def test_dispatch_core_is_small():
     core = ROOT / "dispatch" / "core.py"
     assert len(core.read_text().splitlines()) <= MAX_DISPATCH_CORE_LINES
+
+
+MODE_NAMES = {"debug", "strict", "fused", "capture"}
+
+
+def mode_rule_breaks(path, text):
+    """Outside torchtpu/modes/: (line, what) for each comparison of an
+    executor's name with a mode's, each use of modes._current, and each read
+    of a frame's locals (f_locals). Code asks an executor what it does
+    (records, fuses, waits_each_op) and passes what it needs as arguments."""
+    breaks = []
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            names = any(isinstance(p, ast.Attribute) and p.attr == "name" for p in parts)
+            modes = any(isinstance(p, ast.Constant) and p.value in MODE_NAMES for p in parts)
+            if names and modes:
+                breaks.append((node.lineno, "a mode's name compared"))
+        elif isinstance(node, ast.Attribute) and node.attr == "_current" and \
+                isinstance(node.value, ast.Name) and node.value.id == "modes":
+            breaks.append((node.lineno, "modes._current"))
+        elif isinstance(node, ast.Attribute) and node.attr == "f_locals":
+            breaks.append((node.lineno, "a frame's locals read"))
+    return breaks
+
+
+def test_the_mode_rule_finder_finds_what_it_forbids():
+    text = ("if ex.name == 'fused': pass\n"
+            "modes._current = x\n"
+            "v = frame.f_locals.get('g')\n"
+            "if ex.fuses and other.name == 'x': pass\n")
+    assert [line for line, _ in mode_rule_breaks("t.py", text)] == [1, 2, 3]
+
+
+def test_modes_are_asked_what_they_do_not_named_and_no_frame_locals_read():
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "modes":
+            continue
+        # Hiding internal frames from a traceback writes a frame's locals
+        # (__tracebackhide__, for pytest and IPython); it reads none.
+        found += [f"{rel}:{line}: {what}" for line, what in mode_rule_breaks(path, path.read_text())
+                  if not (rel.name == "errors.py" and what == "a frame's locals read"
+                          and "__tracebackhide__" in path.read_text().splitlines()[line - 1])]
+    assert not found, found

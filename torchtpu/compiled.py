@@ -137,19 +137,20 @@ def _trace(gm, args, slots, n_storages, device, name):
             else:
                 inputs.append(view_tensor(storages[slot], a.shape, a.stride(), a.storage_offset(),
                                           a._key))
-        previous, flag_before = modes._current, flag.array
+        flag_before = flag.array
         first = len(bounds.unread_checks())
-        modes._current = _TRACING  # ops add their code to this trace, one by one
         flag.assign(flag_in)  # index checks merge into the flag passed in
         try:
-            with torch.no_grad():
+            # Ops add their code to this trace, one by one.
+            with modes.using(_TRACING), torch.no_grad():
                 results = gm(*inputs)
             flag_out = flag.array
-            where = _compiled_call_line()
+            # The user's line that called the compiled function (its first
+            # call, which traces it): what an index check names.
+            where = errors.user_site()
             checks[:] = [bounds._Check(c.bound, c.func, where)
                          for c in bounds.unread_checks()[first:]]
         finally:
-            modes._current = previous
             _forget_checks(first, device)
             flag.assign(flag_before)
         outs = []
@@ -228,19 +229,6 @@ class _TracingExecutor(StrictExecutor):
 _TRACING = _TracingExecutor()
 
 
-def _compiled_call_line():
-    """(file, line) of the user's code that called the compiled function
-    (its first call, which traces it): what an index check names, rather
-    than the line of Dynamo's generated graph code."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (errors.is_internal(name) or name.startswith("<eval_with_key>")):
-            return name, frame.f_lineno
-        frame = frame.f_back
-    return "<unknown>", 0
-
-
 def _forget_checks(first, device):
     """Drop the index checks the trace noted (bounds keeps them per call of
     the kernel instead, through note_replayed): they ran on tracers."""
@@ -304,17 +292,14 @@ class CompiledGraph:
         return self.run(traced, storages)
 
 
-# The executors that run a compiled graph's kernel at once (fused mode and
-# capture record it: their graph's flush or replay donates what it may).
-_DONATING = ("strict", "debug")
-
-
 def _run(traced, storages):
     kernel = traced.kernel
-    ex = modes._current
+    ex = modes.current()
     flag = bounds.flag_input(False, kernel.device)
     arrays = [st.array for st in storages]
-    if traced.donated and ex.name in _DONATING:
+    # An executor that runs the kernel at once donates here (fused mode and
+    # capture record it: their graph's flush or replay donates what it may).
+    if traced.donated and not ex.records:
         kernel = traced.donating()
         for i in traced.donated:
             # Another holder (a second storage, the executor's last results)
@@ -334,7 +319,7 @@ def _run(traced, storages):
     if traced.checks:
         produced += [r._storage for r in results if type(r) is TpuTensor]
         bounds.note_replayed(traced.checks, new_flag, storages, produced, kernel.device)
-        if ex.name == "debug":
+        if ex.waits_each_op:
             bounds.check()  # debug mode raises at the call that went out of range
     return results
 
@@ -410,10 +395,11 @@ def _replayed(traced, storages):
             return made[place[1]]
         return storages[place] if place >= 0 else flag
     rep.graph.replay_over([storage(p) for p in rep.inputs], [storage(p) for p in rep.outputs])
-    ex = modes._current
-    if ex.name == "debug":
-        jax.block_until_ready(ex._last)  # (the replay's results)
-        bounds.check()  # debug mode raises at the call that went out of range
+    ex = modes.current()
+    if ex.waits_each_op:
+        # Waits for the replay's results: debug mode raises at the call
+        # that went out of range.
+        ex.sync()
     return _results(traced, made, storages)
 
 
@@ -424,7 +410,7 @@ def _alias(storage, shape, stride, offset, key):
     if type(array) in (Pending, Lost):
         # Not a value yet (fused mode, capture): the recorder's copy of it
         # (a Pending has one owner), one node of its graph.
-        (array,), _ = modes._current.run(_copy_kernel(array, storage.device), [array], [storage])
+        (array,), _ = modes.current().run(_copy_kernel(array, storage.device), [array], [storage])
     return view_tensor(Storage(array, storage.device), shape, stride, offset, key)
 
 

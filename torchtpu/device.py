@@ -111,7 +111,7 @@ def _empty(op):
             dense = tuple(args[0]) == contiguous_strides(size)
         else:
             dense = kwargs.get("memory_format") in (None, torch.contiguous_format)
-        if dense and kwargs.get("layout") in (None, torch.strided) and modes.current().name != "fused":
+        if dense and kwargs.get("layout") in (None, torch.strided) and not modes.current().fuses:
             index = properties.checked_index(kwargs.get("device"))
             return TpuTensor(Storage(runtime.host_zeros(size, dtype, index), index), size, dtype)
         return default(size, *args, **kwargs)

@@ -21,6 +21,7 @@ NaN/Inf checks' op/line reports.
 """
 import os
 import sys
+import typing
 
 import jax
 import torch
@@ -55,7 +56,9 @@ def full_traceback():
 # ---- where the user is -----------------------------------------------------
 
 def is_internal(filename):
-    return filename.startswith(_SKIP) or filename.startswith("<frozen")
+    # (FX's generated code, "<eval_with_key>.N", is torch's too: the user's
+    # line is the one that called the compiled module.)
+    return filename.startswith(_SKIP) or filename.startswith(("<frozen", "<eval_with_key>"))
 
 
 # code object -> whether it is torchtpu's, torch's or JAX's, so that finding
@@ -138,46 +141,51 @@ def _frames(tb):
 
 
 def _origin(tb):
-    """(ran through JAX, ran through a lowering, the fused flush frame)."""
+    """(ran through JAX, ran through a lowering)."""
     in_jax = in_lowering = False
-    flush = None
     for frame in _frames(tb):
         name = frame.f_code.co_filename
         if name.startswith(_OPS_DIR) or (name == _KERNELS and frame.f_code.co_name == "fn"):
             in_lowering = True  # inside a lowering, or the kernel tracing it
         elif name.startswith(_JAX):
             in_jax = True
-        if frame.f_code.co_name == "flush" and name.endswith(os.path.join("modes", "fused.py")):
-            flush = frame
-    return in_jax, in_lowering, flush
+    return in_jax, in_lowering
 
 
-def _fused_graph_ops(flush_frame):
-    """Op names (and issuing lines, where recorded) of the graph a fused flush
-    was running."""
-    g = flush_frame.f_locals.get("g")
-    nodes = getattr(g, "nodes", None) or []
+class FusedGraphFailure(typing.NamedTuple):
+    """What a fused flush was running when an error went through it."""
+    ops: list    # each node's op name, and its issuing line where recorded
+    reason: str  # why the graph was flushed
+
+
+def note_fused_graph(e, g, reason):
+    """Mark e as raised while fused mode flushed graph g (for reason), so
+    that its message names the graph's ops; the innermost flush's mark stays."""
+    if getattr(e, "_torchtpu_fused_graph", None) is not None:
+        return
     lines = graph_lines(g)
-    names = []
-    for i, (kernel, _) in enumerate(nodes):
-        line = lines[i] if lines else None
-        names.append(kernel.name + (f" at {line}" if line else ""))
-    return names, flush_frame.f_locals.get("reason")
+    ops = [kernel.name + (f" at {lines[i]}" if lines and lines[i] else "")
+           for i, (kernel, _) in enumerate(g.nodes)]
+    try:
+        e._torchtpu_fused_graph = FusedGraphFailure(ops, reason)
+    except AttributeError:  # an exception type without attributes: the op's message stays
+        pass
 
 
 def _translate(e, func, args, kwargs):
-    in_jax, in_lowering, flush = _origin(e.__traceback__)
+    in_jax, in_lowering = _origin(e.__traceback__)
     # JAX's C++ fast path raises runtime errors without any JAX frame.
     on_device = isinstance(e, _RUNTIME_ERRORS)
     if not (in_jax or in_lowering or on_device):
         return e  # PyTorch's own check, or torchtpu's deliberate error
     call = describe_call(func, args, kwargs)
     what = f"{type(e).__name__}: {_first_line(e)}"
-    if flush is not None:
-        names, reason = _fused_graph_ops(flush)
+    graph = getattr(e, "_torchtpu_fused_graph", None)
+    if graph is not None:
+        names = graph.ops
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         msg = (f"torchtpu: a fused graph of {len(names)} ops ({shown}) failed at a sync "
-               f"point ({reason}): {what}")
+               f"point ({graph.reason}): {what}")
         return RuntimeError(msg)
     if isinstance(e, _TRACER_ERRORS):
         return RuntimeError(f"torchtpu: {call}: its tpu lowering depends on tensor values, "

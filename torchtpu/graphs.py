@@ -46,8 +46,7 @@ class TPUGraph:
         modes.sync()  # what ran before capture is issued and its values known
         _install_optimizer_check()
         self._executor = CaptureExecutor()
-        self._previous = modes._current
-        modes._current = self._executor
+        self._previous = modes.swap(self._executor)
         _capturing = self
 
     def capture_end(self):
@@ -56,7 +55,7 @@ class TPUGraph:
         if _capturing is not self:
             raise RuntimeError("torchtpu: capture_end() without capture_begin()")
         ex = self._executor
-        modes._current = self._previous
+        modes.swap(self._previous)
         _capturing = None
         self._executor = None
         if ex.failed is not None:
@@ -70,7 +69,7 @@ class TPUGraph:
         global _capturing
         from . import modes
         ex = self._executor
-        modes._current = self._previous
+        modes.swap(self._previous)
         _capturing = None
         self._executor = None
         ex.abandon(error)

@@ -50,7 +50,7 @@ def _issue_pending():
 
 def _fused():
     from . import modes
-    return modes.current().name == "fused"
+    return modes.current().fuses
 
 
 def synchronize(device=None):

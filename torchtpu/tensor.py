@@ -111,6 +111,13 @@ class GrownStorage(Storage):
             self._own(GrownStorage.cut(self))
         return self._exact
 
+    def read_by(self, op):
+        """array, for op (its name) that reads it whole: the advisor names
+        the op that made the cut."""
+        if self._exact is None:
+            self._own(GrownStorage.cut(self, op))
+        return self._exact
+
     @array.setter
     def array(self, value):
         if type(self._exact) is not Pending or type(value) is Pending:

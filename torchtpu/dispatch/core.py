@@ -170,7 +170,7 @@ def _run_lowered(plan, args, kwargs):
             storage = a._storage
             if type(storage) is GrownStorage and a._view is not None:
                 if (plan.func is not _READ and plan.kind != "mutate"
-                        and modes._current.name != "fused" and grown_readable(a)):
+                        and not modes.current().fuses and grown_readable(a)):
                     # A view of a grown storage (`ids[:, -1:]`): read on its
                     # own, by one kernel per bucket that every reader of the
                     # view shares; the op then compiles once for the view.
@@ -191,7 +191,8 @@ def _run_lowered(plan, args, kwargs):
             if slot is None:
                 slot = slots[storage] = len(storages)
                 storages.append(storage)
-                arrays.append(storage.array)
+                arrays.append(storage.array if type(storage) is not GrownStorage
+                              else storage.read_by(plan.name))
             pos_specs.append(("t", slot) + a._key)
         else:
             if call is None:
@@ -220,7 +221,7 @@ def _run_lowered(plan, args, kwargs):
                 entry = cache.lookup(key)
     if entry is None:
         device = kernel_device(pos_specs, kw_specs)  # (raises CUDA's error for two devices)
-        if not modes._current.records:
+        if not modes.current().records:
             recompiles.note_kernel(plan.name, pos_specs, kw_specs)  # (fused mode: per graph)
         if plan.kind == "mutate":
             if written_checked(plan, pos_specs, kw_specs,
@@ -252,16 +253,16 @@ def _run_lowered(plan, args, kwargs):
     kernel, out_meta, out_tdtypes, orders = entry
     metrics.M.ops_dispatched += 1
     flat = arrays
-    ex = modes._current
+    ex = modes.current()
     if kernel.bound is not None:
-        flag = bounds.flag_input(ex.name == "debug", kernel.device)
+        flag = bounds.flag_input(ex.waits_each_op, kernel.device)
         storages.append(flag)
         arrays.append(flag.array)
     if dynamic:
         flat.extend(dynamic)
     if plan.random:
         flat.extend(rng.next_key())
-    if ex.name == "debug" or errors.CHECK_NANS:
+    if ex.waits_each_op or errors.CHECK_NANS:
         # Index bounds and NaN/Inf checks (torchtpu.errors).
         outs, new_storages = checks.checked_run(ex, plan, kernel, flat, storages, args, kwargs,
                                                 host_values)
@@ -293,7 +294,7 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
         produced += [t._storage for t in leaves if type(t) is TpuTensor]
     if flag is None:
         bounds.propagate(storages, produced)
-    elif ex.name != "debug":  # debug mode checked on the host before the op ran
+    elif not ex.waits_each_op:  # debug mode checked on the host before the op ran
         bounds.note(kernel.bound, plan.func, flag, storages, produced, sys._getframe(1), kernel.device)
     return result
 

@@ -28,7 +28,6 @@ the exact array. Set TORCHTPU_GROWTH=off to turn this off, and
 TORCHTPU_GROWTH_MIN to change the smallest bucket (default 128).
 """
 import os
-import sys
 import weakref
 
 import torch
@@ -149,26 +148,12 @@ def _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
                     (q, ks.grown, vs.grown, mask, scale, extent), {})
 
 
-def _reading_op():
-    """The op being dispatched that reads a grown storage whole (the
-    dispatcher's innermost frame names it), for the advisor."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _DISPATCH_CODE:
-            return str(frame.f_locals.get("func", "an op"))
-        frame = frame.f_back
-    return "a read"
-
-
-_DISPATCH_CODE = dispatch.__code__
-
-
-def _cut(storage):
-    """The exact array of a grown storage, for an op that reads it whole."""
+def _cut(storage, reader="a read"):
+    """The exact array of a grown storage, for an op (reader, its name for
+    the advisor where the dispatcher knows it) that reads it whole."""
     grown, axis = storage.grown, storage.axis
     metrics.M.extra["grown_cuts"] = metrics.M.extra.get("grown_cuts", 0) + 1
-    advisor.note_grown_cut(_reading_op(), errors.user_line(sys._getframe(1)), axis,
-                           storage.extent, grown.shape[axis])
+    advisor.note_grown_cut(reader, errors.user_line(), axis, storage.extent, grown.shape[axis])
     part = dispatch(aten.slice.Tensor, (grown, axis, 0, storage.extent), {})
     return dispatch(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})._storage.array
 

@@ -27,7 +27,7 @@ def _copy_(dst, src, non_blocking=False):
             # dst is its whole storage (as .to("tpu") makes it): the upload
             # becomes the storage's array, with no copy kernel.
             dst._storage.assign(src._storage.array)
-            if modes.current().name == "debug":
+            if modes.current().waits_each_op:
                 runtime.wait_transfers()  # debug mode waits for each op
             return dst
     elif not isinstance(dst, TpuTensor):

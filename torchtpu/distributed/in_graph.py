@@ -200,7 +200,6 @@ def _flushed_why():
 
 RECORDED = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all")
 _kernels = {}
-_last = [None, None]  # (id of the graph the last collective went into, its devices)
 _refused = [None]     # the error of the last graph the ranks disagreed on
 _step_hook = []       # the optimizer step hook, once registered
 
@@ -214,8 +213,8 @@ def _after_optimizer_step(optimizer, args, kwargs):
     if torch.compiler.is_compiling():
         return
     ex = modes.current()
-    if ex.name == "fused" and ex._graph.nodes:
-        ex.flush("optimizer_step")
+    if ex.fuses:
+        ex.flush("optimizer_step")  # (nothing when no op is pending)
 
 
 def settle(reason="collective"):
@@ -226,7 +225,7 @@ def settle(reason="collective"):
     in its constructor, its buffers before a forward), which any rank may
     then read on its own."""
     ex = modes.current()
-    if ex.name == "fused":
+    if ex.fuses:
         ex.flush(reason)
 
 
@@ -235,7 +234,7 @@ def run(gloo, kind, device_ids, t, rooted=False, **params):
     new tpu tensor on t's device; rooted: some rank drops the result."""
     index = t.device.index
     ex = modes.current()
-    if ex.name != "fused" or rooted or kind not in RECORDED:
+    if not ex.fuses or rooted or kind not in RECORDED:
         STATS.issued[kind] += 1
         result = xla.run(kind, device_ids, device_array(t), **params)
         return wrap(result, t.dtype, device=index)
@@ -254,10 +253,6 @@ def run(gloo, kind, device_ids, t, rooted=False, **params):
     _refused[0] = None
     if not _step_hook:
         _step_hook.append(register_optimizer_step_post_hook(_after_optimizer_step))
-    if _last[0] == id(ex._graph) and _last[1] != device_ids and ex._graph.nodes:
-        ex.flush("collective")  # a graph's collectives span one mesh
-    outs, _ = ex.run(kernel, [storage.array], [storage])
-    ex._graph.collectives += 1  # (the graph that took it: ex.run may flush first)
-    _last[:] = [id(ex._graph), device_ids]
+    out = ex.record_collective(kernel, storage, device_ids)
     STATS.recorded[kind] += 1
-    return wrap(outs[0], t.dtype, device=index)
+    return wrap(out, t.dtype, device=index)

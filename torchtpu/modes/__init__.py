@@ -2,7 +2,9 @@
 
 An executor has run(kernel, flat, call) -> (outputs, new storage arrays),
 concrete(storage) -> the storage's concrete array (waiting as needed) and
-sync() -> wait for all issued work.
+sync() -> wait for all issued work; and what other layers may ask of it:
+records, fuses and waits_each_op (modes/strict.py says what each means).
+Fused mode also has flush(reason) and record_collective(...).
 """
 import contextlib
 import os
@@ -52,6 +54,26 @@ def set_eager_mode(name):
     finally:
         # Switched even when the sync raises (an out-of-range index found then).
         _current = _executor(name)
+
+
+def swap(executor):
+    """Make executor take the ops from now on, without a sync (a graph
+    capture, a compiled graph's trace); returns the one it replaces, which
+    swap(previous) restores."""
+    global _current
+    previous, _current = _current, executor
+    return previous
+
+
+@contextlib.contextmanager
+def using(executor):
+    """Run the block with executor taking the ops, then restore the one
+    before (no sync at either end)."""
+    previous = swap(executor)
+    try:
+        yield executor
+    finally:
+        swap(previous)
 
 
 @contextlib.contextmanager

@@ -45,6 +45,7 @@ def _sync_error(what):
 
 class CaptureExecutor(FusedExecutor):
     name = "capture"
+    fuses = False  # the region is one graph, issued by its replays
 
     def __init__(self):
         super().__init__()

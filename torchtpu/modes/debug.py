@@ -9,6 +9,7 @@ from .strict import StrictExecutor
 
 class DebugExecutor(StrictExecutor):
     name = "debug"
+    waits_each_op = True
 
     def run(self, kernel, flat, storages):
         outs, written = kernel.jitted(*flat)

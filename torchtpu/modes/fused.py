@@ -116,7 +116,8 @@ class _Graph:
         self.scalars = []     # dynamic scalars fed to the graph
         self.device = 0       # the index of the device all its ops run on
         self.side_values = {}  # ref -> the value a side graph computed for a read
-        self.collectives = 0   # collective nodes among them (distributed/in_graph.py counts)
+        self.collectives = 0   # collective nodes among them
+        self.mesh = None       # the devices its collectives span
 
 
 class _GraphKey:
@@ -139,6 +140,7 @@ class _GraphKey:
 class FusedExecutor(StrictExecutor):
     name = "fused"
     records = True
+    fuses = True
 
     def __init__(self):
         super().__init__()
@@ -199,6 +201,18 @@ class FusedExecutor(StrictExecutor):
         written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
         g.outputs += written
         return outs, written
+
+    def record_collective(self, kernel, storage, mesh):
+        """Record a collective over mesh (device ids) reading storage; its
+        result. A graph's collectives span one mesh: one over another mesh
+        starts a new graph."""
+        if self._graph.nodes and self._graph.mesh not in (None, mesh):
+            self.flush("collective")
+        (out,), _ = self.run(kernel, [storage.array], [storage])
+        g = self._graph  # the graph that took it (run may flush first)
+        g.collectives += 1
+        g.mesh = mesh
+        return out
 
     def _cut_at_limit(self):
         """A step longer than the limit is cut there; its next flush is at
@@ -295,6 +309,14 @@ class FusedExecutor(StrictExecutor):
             # computed and no longer holds (a value it read). (Not with NaN
             # checks on: their record of lines follows the recorded nodes.)
             g, renamed = _without_dead_nodes(g, live)
+        try:
+            self._issue(g, live, renamed, reason)
+        except Exception as e:
+            errors.note_fused_graph(e, g, reason)  # its message names the graph's ops
+            raise
+
+    def _issue(self, g, live, renamed, reason):
+        """Compile (or find) and run graph g, giving each live value's owner its array."""
         self._last = None  # the last graph's results: maybe this one's inputs, to donate
         donate = None if errors.nan_checks_on() else _donatable(g, live)
         if donate is not None:
@@ -303,7 +325,7 @@ class FusedExecutor(StrictExecutor):
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
         key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
-        site = errors.user_line(sys._getframe(1))
+        site = errors.user_line()
         refused = None
         if entry is None:
             try:

@@ -7,7 +7,10 @@ from .. import metrics
 
 class StrictExecutor:
     name = "strict"
-    records = False  # ops run as they come (fused mode records them into graphs)
+    # What the code outside modes/ asks of an executor (never its name):
+    records = False        # ops run as they come (fused mode and capture record them into graphs)
+    fuses = False          # recorded ops are issued by flushes as the program runs (fused mode)
+    waits_each_op = False  # each op is waited for, its index bounds checked first (debug mode)
 
     def __init__(self):
         self._last = None
