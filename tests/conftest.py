@@ -11,13 +11,6 @@ os.environ.setdefault("TORCHTPU_CACHE_DIR", "off")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join(
         filter(None, [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=2"]))
-# JAX's CPU backend stands in for the accelerator here, and compiling is most
-# of the suite's time: LLVM's optimization of the host code it emits changes
-# how fast a kernel runs, not what the lowerings under test compute, and at
-# level 0 compiling takes about 40% less. (Processes the tests start inherit
-# it; the benchmarks and the examples run at XLA's default.)
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import torchtpu  # noqa: E402
 

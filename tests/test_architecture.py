@@ -140,3 +140,28 @@ def test_modes_are_asked_what_they_do_not_named_and_no_frame_locals_read():
                   if not (rel.name == "errors.py" and what == "a frame's locals read"
                           and "__tracebackhide__" in path.read_text().splitlines()[line - 1])]
     assert not found, found
+
+
+def test_torchtpu_variables_are_read_in_config_alone_and_documented():
+    """Every TORCHTPU_* variable is a torchtpu.config.Variable, no other
+    module names one to os.environ, and docs/configuration.md's table lists
+    exactly those variables, in config's order, with config's defaults."""
+    import re
+
+    from torchtpu import config
+    readers = []
+    for path in ROOT.rglob("*.py"):
+        if path.name == "config.py" and path.parent == ROOT:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.fullmatch(r"TORCHTPU_[A-Z_]+", node.value):
+                readers.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value}")
+    assert not readers, readers
+    table = (ROOT.parent / "docs" / "configuration.md").read_text()
+    rows = re.findall(r"^\| `(TORCHTPU_[A-Z_]+)` \| ([^|]*) \|", table, re.M)
+    assert [name for name, _ in rows] == list(config.VARIABLES)
+    for name, default in rows:
+        want = config.VARIABLES[name].default
+        if want:  # (a computed default is described in words)
+            assert default.strip() in (f"`{want}`", want), (name, default)

@@ -16,11 +16,11 @@ import os
 import sys
 import time
 
-from . import errors, metrics, recompiles
+from . import config, errors, metrics, recompiles
 
-ON = os.environ.get("TORCHTPU_DEBUG") == "1"
+ON = config.DEBUG.on()
 # An op compiled for this many different shapes/arguments is churning.
-CHURN_KERNELS = int(os.environ.get("TORCHTPU_CHURN_THRESHOLD", "8"))
+CHURN_KERNELS = config.CHURN_THRESHOLD.number()
 _START = time.perf_counter()
 
 

@@ -19,18 +19,17 @@ of giving a garbage value, while tensors that do not depend on the bad op
 keep theirs. Debug mode checks on the host before the op runs
 (errors.check_bounds) and records nothing here.
 """
-import os
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import errors, runtime  # noqa: F401  (runtime first: int64 flags need x64)
+from . import config, errors, runtime  # noqa: F401  (runtime first: int64 flags need x64)
 from .tensor import Lost, Pending, Storage
 
 # The check's switch (for measuring its cost; kernels read it when built).
-ON = os.environ.get("TORCHTPU_INDEX_CHECKS", "1") != "0"
+ON = config.INDEX_CHECKS.on()
 # Checked ops at which the flag is read (a loop that never syncs would
 # otherwise keep a record of every indexing op).
 MAX_UNREAD = 1024

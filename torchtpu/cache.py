@@ -46,7 +46,7 @@ import warnings
 import jax
 from jax import monitoring
 
-from . import background, compat, metrics
+from . import background, compat, config, metrics
 from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
     CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, PROGRAM_PREFIX, STATS, TMP_PREFIX,
     VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
@@ -59,7 +59,7 @@ if sys.argv[:1] == ["-m"]:
     warnings.filterwarnings("ignore", r"'torchtpu\.cache' found in sys\.modules",
                             RuntimeWarning)
 
-MEMORY_ENTRIES = int(os.environ.get("TORCHTPU_MEMORY_CACHE_ENTRIES", "8192"))
+MEMORY_ENTRIES = config.MEMORY_CACHE_ENTRIES.number()
 # An OrderedDict in recency order: a hit costs one more C-level move.
 _memory = collections.OrderedDict()
 
@@ -572,7 +572,7 @@ def stored_value(key_text, compute, encode, decode):
 # run asks for its very key, after the same checks; the list only decides
 # what is loaded early. TORCHTPU_CACHE_PREFETCH=0 turns it off.
 
-PREFETCH = os.environ.get("TORCHTPU_CACHE_PREFETCH", "1") != "0"
+PREFETCH = config.CACHE_PREFETCH.on()
 _STARTUP_LIMIT = 256
 _startup_used = []  # [key, device] of what this run loaded or compiled first
 _prefetch = {"thread": None, "listed": None, "done": False, "stop": False, "loaded": {}}

@@ -32,7 +32,7 @@ import threading
 import time
 import warnings
 
-from . import compat, metrics
+from . import compat, config, metrics
 
 try:
     import fcntl
@@ -58,14 +58,14 @@ def _default_dir():
 
 def cache_dir():
     """The configured disk directory, or None when TORCHTPU_CACHE_DIR=off."""
-    value = os.environ.get("TORCHTPU_CACHE_DIR", "").strip()
+    value = config.CACHE_DIR.text()
     if value.lower() == "off":
         return None
     return os.path.abspath(os.path.expanduser(value or _default_dir()))
 
 
 def readonly():
-    return os.environ.get("TORCHTPU_CACHE_READONLY", "").strip().lower() in ("1", "true", "yes")
+    return config.CACHE_READONLY.on()
 
 
 # ---- trust --------------------------------------------------------------------
@@ -87,7 +87,7 @@ def trusted_uids():
     write anything anyway) and the uids in TORCHTPU_CACHE_TRUSTED_UIDS
     (comma- or space-separated), for a shared cache another account filled."""
     uids = {os.geteuid(), 0}
-    for part in os.environ.get("TORCHTPU_CACHE_TRUSTED_UIDS", "").replace(",", " ").split():
+    for part in config.CACHE_TRUSTED_UIDS.text().replace(",", " ").split():
         try:
             uids.add(int(part))
         except ValueError:

@@ -26,7 +26,7 @@ import typing
 import jax
 import torch
 
-from . import compat
+from . import compat, config
 
 
 def _dir(module):
@@ -50,7 +50,7 @@ _PYTORCH_TYPES = (IndexError, TypeError, ValueError, NotImplementedError)
 
 
 def full_traceback():
-    return os.environ.get("TORCHTPU_FULL_TRACEBACK") == "1"
+    return config.FULL_TRACEBACK.on()
 
 
 # ---- where the user is -----------------------------------------------------
@@ -501,7 +501,7 @@ def check_bounds(func, args, kwargs, functional=None, line=None, to_host=None):
 # ---- NaN/Inf checks' switch and report (run by torchtpu.modes.checks) -------
 
 def check_nans_enabled():
-    return os.environ.get("TORCHTPU_CHECK_NANS") == "1"
+    return config.CHECK_NANS.on()
 
 
 # Read once for strict and fused mode (the dispatcher tests it per op);
@@ -518,7 +518,7 @@ def set_check_nans(on=True):
     """Turn NaN/Inf checks on or off at run time (TORCHTPU_CHECK_NANS=1 at start)."""
     global CHECK_NANS
     CHECK_NANS = bool(on)
-    os.environ["TORCHTPU_CHECK_NANS"] = "1" if on else "0"
+    config.CHECK_NANS.set("1" if on else "0")
 
 
 def nan_message(op, line):

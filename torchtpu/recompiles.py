@@ -12,12 +12,11 @@ Only what is new to the process counts (a kernel or graph then compiled,
 or loaded from the disk cache); the cost is paid on such misses alone."""
 import collections
 import contextlib
-import os
 import threading
 
-from . import errors, metrics
+from . import config, errors, metrics
 
-_ALWAYS = os.environ.get("TORCHTPU_RECOMPILES", "").strip().lower() == "error"
+_ALWAYS = config.RECOMPILES.text().lower() == "error"
 _local = threading.local()
 _HISTORY = 16
 _kernels = collections.defaultdict(lambda: collections.deque(maxlen=_HISTORY))

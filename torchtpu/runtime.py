@@ -1,5 +1,4 @@
 """The JAX runtime: platform choice, x64, dtype maps, host<->device transfer."""
-import os
 
 import jax
 
@@ -13,11 +12,13 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from . import config  # noqa: E402
+
 _PREFERENCE = ("tpu", "gpu", "cpu")
 
 
 def _choose_platform():
-    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
+    wanted = config.PLATFORM.text().lower()
     if wanted:
         if wanted not in _PREFERENCE:
             raise ValueError(

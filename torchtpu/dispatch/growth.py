@@ -27,20 +27,19 @@ A write to the tensor (an in-place op) ends its growth: the storage keeps
 the exact array. Set TORCHTPU_GROWTH=off to turn this off, and
 TORCHTPU_GROWTH_MIN to change the smallest bucket (default 128).
 """
-import os
 import weakref
 
 import torch
 
-from .. import advisor, errors, metrics
+from .. import advisor, config, errors, metrics
 from ..tensor import GrownStorage, TpuTensor, whole_tensor
 from .core import _run_lowered, dispatch, plan_of
 from .plans import SPECIAL
 
 from ..compat import aten
 
-ENABLED = os.environ.get("TORCHTPU_GROWTH", "on").lower() not in ("0", "off", "false", "no")
-GROWTH_MIN = max(1, int(os.environ.get("TORCHTPU_GROWTH_MIN", "128")))
+ENABLED = config.GROWTH.on()
+GROWTH_MIN = max(1, config.GROWTH_MIN.number())
 
 # Storages a cat made, with the dim it joined along: the next cat of one of
 # them along the same dim starts a growth.

@@ -41,12 +41,10 @@ The environment it reads:
 import multiprocessing
 import os
 
+from .. import config
 from . import coordinator
 
-SWITCH = "TORCHTPU_DISTRIBUTED"
-PORT = "TORCHTPU_COORDINATOR_PORT"
-HEARTBEAT = "TORCHTPU_HEARTBEAT_TIMEOUT"
-TPU_PORT = "TORCHTPU_TPU_PROCESS_PORT"
+SWITCH = config.DISTRIBUTED.name
 # What the TPU runtime (libtpu) reads to give a process some chips of its host.
 TPU_TOPOLOGY = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS",
                 "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID")
@@ -57,7 +55,7 @@ _NEEDED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
 def _wanted():
-    switch = os.environ.get(SWITCH, "").strip()
+    switch = config.DISTRIBUTED.text()
     if switch not in ("", "0", "1"):
         raise ValueError(f"{SWITCH}={switch!r} is not 0 or 1")
     if switch == "0":
@@ -73,7 +71,7 @@ def _wanted():
 
 
 def coordinator_address():
-    port = os.environ.get(PORT) or str(int(os.environ["MASTER_PORT"]) + 1)
+    port = config.COORDINATOR_PORT.text() or str(int(os.environ["MASTER_PORT"]) + 1)
     return f"{os.environ['MASTER_ADDR']}:{port}"
 
 
@@ -121,7 +119,7 @@ def tpu_environment(local_rank, local_world_size, world_size, chips, environ):
             "for one process per chip on one host; set TPU_VISIBLE_CHIPS, "
             "TPU_CHIPS_PER_PROCESS_BOUNDS, TPU_PROCESS_BOUNDS, TPU_PROCESS_ADDRESSES, "
             "TPU_PROCESS_PORT and CLOUD_TPU_TASK_ID for each process")
-    base = int(environ.get(TPU_PORT) or 8476)
+    base = config.TPU_PROCESS_PORT.number(environ)
     return {
         "TPU_VISIBLE_CHIPS": str(local_rank),
         "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
@@ -201,12 +199,12 @@ def initialize_from_env():
     with coordinator.serving(_service_apart()):
         jax.distributed.initialize(coordinator_address(), int(os.environ["WORLD_SIZE"]),
                                    int(os.environ["RANK"]), local_device_ids=device_ids,
-                                   heartbeat_timeout_seconds=int(os.environ.get(HEARTBEAT) or 100))
+                                   heartbeat_timeout_seconds=config.HEARTBEAT_TIMEOUT.number())
     return True
 
 
 def _service_apart():
-    switch = os.environ.get(coordinator.SWITCH, "").strip()
+    switch = config.COORDINATOR_PROCESS.text()
     if switch not in ("", "0", "1"):
-        raise ValueError(f"{coordinator.SWITCH}={switch!r} is not 0 or 1")
+        raise ValueError(f"{config.COORDINATOR_PROCESS.name}={switch!r} is not 0 or 1")
     return switch != "0"

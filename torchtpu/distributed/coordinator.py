@@ -29,8 +29,6 @@ import threading
 
 from ..compat import jax_extension
 
-SWITCH = "TORCHTPU_COORDINATOR_PROCESS"
-
 # The child: start the service, say so, wait for the parent's word or end.
 _CHILD = """\
 import json, os, sys, time

@@ -7,9 +7,8 @@ records, fuses and waits_each_op (modes/strict.py says what each means).
 Fused mode also has flush(reason) and record_collective(...).
 """
 import contextlib
-import os
 
-from .. import metrics
+from .. import config, metrics
 from ..metrics import note_sync  # noqa: F401  (callers name sync reasons through modes)
 
 MODES = ("debug", "strict", "fused")
@@ -104,4 +103,4 @@ def sync():
     _current.sync()
 
 
-set_eager_mode(_check(os.environ.get("TORCHTPU_EAGER_MODE", "strict").strip().lower() or "strict"))
+set_eager_mode(_check(config.EAGER_MODE.text().lower()))

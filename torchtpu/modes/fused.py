@@ -36,7 +36,6 @@ collective needs (what one rank computed for a read it no longer holds), so
 the ranks' graphs stay alike.
 """
 import collections
-import os
 import sys
 import time
 import warnings
@@ -45,14 +44,14 @@ import weakref
 import jax
 import torch
 
-from .. import bounds, cache, errors, metrics, recompiles
+from .. import bounds, cache, config, errors, metrics, recompiles
 from . import checks
 from ..tensor import Lost, Pending
 from .strict import StrictExecutor
 
 
 def max_ops():
-    return int(os.environ.get("TORCHTPU_FUSE_MAX_OPS", "1000"))
+    return config.FUSE_MAX_OPS.number()
 
 
 # Churn: at a flush site where most recent flushes brought a new graph,
@@ -146,7 +145,7 @@ class FusedExecutor(StrictExecutor):
         super().__init__()
         self._graph = _Graph()
         self._regions = {}  # flush site -> recent (new graph?) flags
-        self._debug = os.environ.get("TORCHTPU_FUSE_DEBUG") == "1"
+        self._debug = config.FUSE_DEBUG.on()
         self._limit = max_ops()
         self._cut = False       # the pending graph follows a cut at the limit
         self._step_hook = None  # flushing at the optimizer's step after such a cut
@@ -640,13 +639,13 @@ def _donation_order(g, live, donate):
 def background_min_ops():
     """The fewest ops a new graph has to compile in the background (below,
     XLA compiles it in about the time its ops' own kernels would take)."""
-    return int(os.environ.get("TORCHTPU_FUSED_BACKGROUND_OPS", "100"))
+    return config.FUSED_BACKGROUND_OPS.number()
 
 
 def compile_in_background():
     """Whether a new graph compiles on the compile thread while its flushes
     run op by op (tiered compilation; TORCHTPU_FUSED_COMPILE=sync: not)."""
-    return os.environ.get("TORCHTPU_FUSED_COMPILE", "background").strip().lower() != "sync"
+    return config.FUSED_COMPILE.text().lower() != "sync"
 
 
 def _build_graph(g, live_refs, donate=None, when="first call"):
