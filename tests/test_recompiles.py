@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import torchtpu
 
-from conftest import assert_same
+from conftest import assert_same, make
 
 
 def _compilations():
@@ -110,6 +110,54 @@ def test_writes_at_a_moving_offset(mode):
             before = _compilations()
     torchtpu.sync()
     assert _compilations() == before
+
+
+def test_uploads_and_empty_tensors_of_new_shapes_compile_nothing(mode):
+    """An empty tensor's memory is unspecified: .to("tpu") of each new batch
+    shape, and torch.empty, need no kernel (in fused mode a live empty
+    tensor is recorded, and computed in its graph)."""
+    torchtpu.sync()
+    before = _compilations()
+    for n in range(3, 9):
+        for dtype in (torch.float32, torch.int64, torch.bool, torch.bfloat16):
+            x = make(dtype, (n, n + 1), seed=n)
+            t = x.to("tpu")
+            assert t.shape == x.shape and t.dtype == x.dtype and t.device.type == "tpu"
+            torch.testing.assert_close(t.cpu(), x)
+        if mode != "fused":
+            e = torch.empty(n, 2, device="tpu", dtype=torch.float16)
+            assert e.shape == (n, 2) and e.dtype == torch.float16 and e.device.type == "tpu"
+    torchtpu.sync()
+    assert _compilations() == before
+
+
+def test_small_views_download_without_a_kernel_large_ones_with_one(mode):
+    """.cpu() of a view of a small storage takes the view on the host (no
+    reader kernel per view); of a small view of a large storage, one reader
+    per view shape, whatever its position: CPU's values either way."""
+    x = torch.randn(6, 5, 4)
+    t = x.to("tpu")
+    torchtpu.sync()
+    before = _compilations()
+    for got, want in [(t[2], x[2]), (t.transpose(0, 2), x.transpose(0, 2)), (t[1:5:2, :, 3], x[1:5:2, :, 3]),
+                      (t[0, 0].expand(3, 4), x[0, 0].expand(3, 4)), (t.flatten()[7:40].unfold(0, 6, 3),
+                                                                      x.flatten()[7:40].unfold(0, 6, 3))]:
+        assert_same_values(got.cpu(), want)
+    assert _compilations() == before
+    big = torch.randn(700, 500)  # 1.4 MB
+    tbig = big.to("tpu")
+    for i in range(0, 600, 97):
+        torch.testing.assert_close(tbig[i, 10:20].cpu(), big[i, 10:20], rtol=0, atol=0)
+        if i == 0:
+            torchtpu.sync()
+            before = _compilations()
+    torchtpu.sync()
+    assert _compilations() == before
+
+
+def assert_same_values(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype and got.device.type == "cpu"
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # ---- tiered compilation (fused mode) ----------------------------------------

@@ -90,10 +90,14 @@ def _factory(op):
     return kernel
 
 
-# On the CPU platform device memory is host memory, and a zeros kernel runs
-# before it returns (about 0.4 ms per MiB): a large empty tensor (as
-# .to("tpu") allocates for its copy) is made from a fresh host buffer instead.
-_HOST_EMPTY_MIN_BYTES = 1 << 20
+# An empty tensor's contents are unspecified, so it needs no kernel (a zeros
+# kernel compiles once per shape: each new batch shape's .to("tpu") paid a
+# compilation for memory its copy then replaced). It is made from a fresh host
+# buffer instead: on the CPU platform at any size (device memory is host
+# memory, and the OS zeroes pages when first touched), elsewhere up to
+# _HOST_EMPTY_MAX_BYTES (a small transfer; a large one would cost more than
+# the kernel).
+_HOST_EMPTY_MAX_BYTES = 1 << 20
 
 
 def _empty(op):
@@ -101,8 +105,8 @@ def _empty(op):
 
     def kernel(size, *args, **kwargs):
         dtype = kwargs.get("dtype") or torch.get_default_dtype()
-        if (runtime.PLATFORM != "cpu" or dtype == torch.complex32
-                or math.prod(size) * dtype.itemsize < _HOST_EMPTY_MIN_BYTES):
+        if dtype == torch.complex32 or (runtime.PLATFORM != "cpu"
+                                        and math.prod(size) * dtype.itemsize > _HOST_EMPTY_MAX_BYTES):
             return default(size, *args, **kwargs)
         from . import modes
         from .tensor import Storage, TpuTensor, contiguous_strides

@@ -180,10 +180,9 @@ def _host_copy(host):
 
 
 def host_zeros(shape, dtype, index=0):
-    """The CPU platform only: a zero-filled array on device `index` whose
-    memory is a fresh host buffer (the OS zeroes its pages when first
-    touched), made at once, where a zeros kernel would fill it before
-    returning."""
+    """A zero-filled array on device `index` made from a fresh host buffer,
+    with no kernel to compile or run (on the CPU platform it is that buffer:
+    the OS zeroes its pages when first touched)."""
     return jax.device_put(_aligned(shape, np.dtype(jax_dtype(dtype)), np.zeros), DEVICES[index])
 
 

@@ -1,6 +1,7 @@
 """Values between host and device: a CPU tensor uploaded, a tpu tensor's
 concrete array (waiting for its executor) and its download."""
 import functools
+import math
 
 from .. import advisor, cache, metrics, modes, runtime
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, grown_view, read_view, read_view_at
@@ -48,6 +49,11 @@ def device_array(t):
     return _reader(view)(arr)
 
 
+# A view's whole storage is downloaded, and the view taken on the host, when
+# the storage is at most this size or twice the view's.
+_HOST_VIEW_MAX_BYTES = 1 << 20
+
+
 def _host_array(t):
     """t's values as a CPU tensor; a whole grown storage not yet cut (a
     generate() call's token ids) is cut on the host: no kernel per length."""
@@ -56,6 +62,16 @@ def _host_array(t):
             and storage._exact is None):
         padded = runtime.to_host(device_array(storage.grown), t.dtype)
         return padded.narrow(storage.axis, 0, storage.extent).clone()
+    view = t._view
+    if view is not None and len(view) == 3 and type(storage) is Storage:
+        arr = modes.current().concrete(storage)
+        if type(arr) is Lost:
+            arr.fail()
+        if arr.size * arr.dtype.itemsize <= _HOST_VIEW_MAX_BYTES or arr.size <= 2 * math.prod(view[0]):
+            # The view is taken on the host: no reader kernel to compile
+            # for a view downloaded once (printing x[:, 0]).
+            whole = runtime.to_host(arr, t.dtype).reshape(-1)
+            return whole.as_strided(view[0], view[1], view[2]).clone()
     return runtime.to_host(device_array(t), t.dtype)
 
 

@@ -302,6 +302,10 @@ class FusedExecutor(StrictExecutor):
         self._graph = _Graph()
         self._cut = reason == "limit"  # (a sync sets the boundary, not the limit)
         live = _live(g)
+        if not live and not g.collectives and not errors.nan_checks_on():
+            # Nothing recorded is held any more (the empty buffer of each
+            # upload, replaced by its data): there is nothing to run.
+            return
         renamed = None
         if g.collectives and not errors.FUSED_LINES and not errors.nan_checks_on():
             # Every rank must run the same program: drop what one rank alone
