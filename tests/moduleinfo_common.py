@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import io
 import multiprocessing
+import os
 import pickle
 import warnings
 import zlib
@@ -55,7 +56,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torchtpu
-from torchtpu import metrics
+from torchtpu import config, metrics
 
 from torch.testing import make_tensor
 from torch.testing._internal.common_modules import (  # noqa: E402
@@ -357,12 +358,30 @@ def match(name, sample, training, m_cpu, make_tpu, noncontig=False, what=""):
 
 # ---- the kinds ---------------------------------------------------------------
 
+@contextlib.contextmanager
+def _foreground_compiles():
+    """Fused graphs compiled when first met, so a step runs as its graphs
+    (not op by op while they compile: tiered compilation's first run)."""
+    name = config.FUSED_COMPILE.name
+    previous = os.environ.get(name)
+    config.FUSED_COMPILE.set("sync")
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = previous
+
+
 def _kind_steps(name, training, n, mode=None):
-    """train / eval / debug / fused: a step of each sample in a fresh pair."""
+    """train / eval / debug / fused: a step of each sample in a fresh pair
+    (fused: as fused graphs, compiled when first met)."""
     ran = 0
     before = metrics.snapshot()
     for sample in samples_of(name, training)[:n]:
-        with torchtpu.eager_mode(mode) if mode else contextlib.nullcontext():
+        with (torchtpu.eager_mode(mode) if mode else contextlib.nullcontext(),
+              _foreground_compiles() if mode == "fused" else contextlib.nullcontext()):
             m_cpu, m_tpu = pair(name, sample, training)
             match(name, sample, training, m_cpu, _once(m_tpu, name, sample, training))
         ran += 1
