@@ -176,7 +176,7 @@ def test_nan_check_debug(monkeypatch, debug_mode):
 
 @pytest.mark.parametrize("mode_name", ["strict", "fused"])
 def test_nan_check_names_issuing_line(mode_name):
-    errors.set_check_nans(True)
+    torchtpu.set_check_nans(True)
     try:
         with torchtpu.eager_mode(mode_name):
             x = torch.tensor([4.0, -1.0], device="tpu")
@@ -192,7 +192,7 @@ def test_nan_check_names_issuing_line(mode_name):
         err = None
         msg = str(e)
     finally:
-        errors.set_check_nans(False)
+        torchtpu.set_check_nans(False)
     if err is not None:
         assert mode_name == "fused"
         msg = str(err.value)
@@ -204,7 +204,7 @@ def test_nan_check_names_issuing_line(mode_name):
 def test_nan_check_in_a_backward_pass_raises_from_backward(mode_name):
     """A NaN found in a backward op raises from backward() at the user's
     line (fused mode: at the flush), naming the op, and the process goes on."""
-    errors.set_check_nans(True)
+    torchtpu.set_check_nans(True)
     try:
         with torchtpu.eager_mode(mode_name):
             x = torch.tensor([0.0, 4.0], device="tpu", requires_grad=True)
@@ -216,7 +216,7 @@ def test_nan_check_in_a_backward_pass_raises_from_backward(mode_name):
             line = "x.grad.cpu()" if mode_name == "fused" else "y.sum().backward()"
             assert_at_line(err, line, __file__)
     finally:
-        errors.set_check_nans(False)
+        torchtpu.set_check_nans(False)
     x.grad = None
     torch.sqrt(x).sum().backward()
     torch.testing.assert_close(x.grad.cpu(), torch.tensor([float("inf"), 0.25]))

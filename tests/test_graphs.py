@@ -379,21 +379,21 @@ def test_out_of_range_index_in_replay_raises_at_the_next_sync():
 
 
 def test_replay_with_nan_checks_raises_on_a_nan():
-    from torchtpu import errors
+    from torchtpu.modes import checks
     static_x = torch.ones(3, device="tpu")
-    errors.set_check_nans(True)
+    torchtpu.set_check_nans(True)
     try:
         g = torch.tpu.TPUGraph()
         with torch.tpu.graph(g):
             out = static_x.log()
         g.replay()
         assert_same(out, torch.zeros(3))
-        assert not errors.FUSED_LINES  # nothing of the capture left for fused mode
+        assert not checks.FUSED_LINES  # nothing of the capture left for fused mode
         static_x.copy_(torch.tensor([1.0, -1.0, 1.0]))
         with pytest.raises(RuntimeError, match="NaN or Inf"):
             g.replay()
     finally:
-        errors.set_check_nans(False)
+        torchtpu.set_check_nans(False)
 
 
 def test_replayed_cross_entropy_step_trains_as_cpu():

@@ -43,6 +43,8 @@ if _dist.is_available():
 # sync: all issued work, uploads from pinned memory included (streams.synchronize).
 from .device import get_device, synchronize as sync  # noqa: E402
 from .modes import eager_mode, get_eager_mode, set_eager_mode  # noqa: E402
+# Stop at the first op producing NaN/Inf (TORCHTPU_CHECK_NANS=1 at start).
+from .modes.checks import set_check_nans  # noqa: E402
 # Wait for the fused graphs compiling in the background (tiered compilation).
 from .background import wait as wait_for_compiles  # noqa: E402
 # Why something compiled again, and a guard against it.
@@ -52,7 +54,7 @@ from .kernels import custom_jax_kernel  # noqa: E402
 # `%load_ext torchtpu` in IPython: the %tpu_mode and %tpu_metrics magics.
 from .ipython import load_ipython_extension  # noqa: E402,F401
 
-__all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "sync",
+__all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "set_check_nans", "sync",
            "wait_for_compiles", "explain_compiles", "no_recompiles", "RecompileError", "TpuTensor", "metrics", "cache", "custom_jax_kernel"]
 __version__ = "0.1.0"
 

@@ -1,7 +1,7 @@
 """Out-of-range indices in strict and fused mode: checked on device, raised at
 the next sync point (as CUDA's device-side assert, with a clear message).
 
-Each indexing kernel (errors.BOUNDS names the ops and their index arguments)
+Each indexing kernel (BOUNDS, below, names the ops and their index arguments)
 checks its indices on device and merges the outcome into one small int64
 flag per device that every checked kernel there takes and returns
 (`running`): how many ops it covers, which of them was the first out of
@@ -17,16 +17,192 @@ depend on which flags (propagate); when a flag says out of range, those
 storages are marked Lost with the error, so reading them raises it instead
 of giving a garbage value, while tensors that do not depend on the bad op
 keep theirs. Debug mode checks on the host before the op runs
-(errors.check_bounds) and records nothing here.
+(check_on_host) and records nothing here.
 """
+import sys
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 
 from . import config, errors, runtime  # noqa: F401  (runtime first: int64 flags need x64)
+from .compat import aten
 from .tensor import Lost, Pending, Storage
+
+
+# ---- index bounds ------------------------------------------------------------
+# JAX clamps out-of-range gathers and drops out-of-range scatters; PyTorch
+# raises. BOUNDS says, per op, which arguments index what: its spec lists one
+# (index, dim, size, negative_ok[, allowed]) per index argument, reading only
+# shapes and static arguments, so it serves torch tensors (the host check:
+# debug mode, the CPU fallback) and JAX arrays (the flag each indexing kernel
+# computes on device in strict and fused mode, torchtpu.bounds) alike.
+# `allowed` is a value let through anyway (nll_loss's ignore_index).
+
+class Bound:
+    """One op's index arguments (spec), the exception type CPU raises for an
+    out-of-range one, and how its message reads."""
+    __slots__ = ("spec", "exc", "message")
+
+    def __init__(self, spec, exc, message):
+        self.spec, self.exc, self.message = spec, exc, message
+
+
+def _index_message(value, dim, size, position=0):
+    return f"index {value} is out of bounds for dimension {dim} with size {size}"
+
+
+def _take_message(value, dim, size, position=0):
+    return f"out of range: tried to access index {value} on a tensor of {size} elements."
+
+
+def _bag_message(value, dim, size, position=0):
+    return f"Index {position} of input takes value {value} which is not in the valid range [0, {size})"
+
+
+def _target_message(value, dim, size, position=0):
+    return f"Target {value} is out of bounds."
+
+
+def op_name(func):
+    """'aten.embedding' for aten.embedding.default, else the overload's name."""
+    name = str(func)
+    return name[:-len(".default")] if name.endswith(".default") else name
+
+
+def out_of_range(bound, func, line, value, dim, size, position):
+    """The exception for an out-of-range index of func issued at line."""
+    what = bound.message(value, dim, size, position)
+    return bound.exc(f"torchtpu: {what} ({op_name(func)} at {line})")
+
+
+def _is_mask(t):
+    return t.dtype in (torch.bool, torch.uint8, jax.numpy.bool_, jax.numpy.uint8)
+
+
+def _dim(d, ndim):
+    return d % ndim if ndim else 0
+
+
+def _numel(x):
+    n = 1
+    for s in x.shape:
+        n *= s
+    return n
+
+
+def _spec_indices(x, indices, *rest, **kw):
+    # Advanced indexing: each index tensor addresses the next dim of x; a
+    # None (a full slice) skips one, a mask as many as it has.
+    out, d = [], 0
+    for idx in indices:
+        if idx is None:
+            d += 1
+        elif _is_mask(idx):
+            d += idx.ndim
+        else:
+            if d < x.ndim:
+                out.append((idx, d, x.shape[d], True))
+            d += 1
+    return out
+
+
+def _spec_dim(negative_ok):
+    def spec(x, dim, index, *rest, **kw):
+        d = _dim(dim, x.ndim)
+        return [(index, d, x.shape[d] if x.ndim else 1, negative_ok)]
+    return spec
+
+
+def _spec_embedding(weight, indices, *rest, **kw):
+    return [(indices, 0, weight.shape[0], False)]
+
+
+def _spec_flat(x, index, *rest, **kw):
+    return [(index, -1, _numel(x), True)]
+
+
+def _spec_weight_rows(grad, indices, num_weights, *rest, **kw):
+    return [(indices, 0, num_weights, False)]
+
+
+def _spec_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                       num_weights, *rest, **kw):
+    return [(indices, 0, num_weights, False)]
+
+
+def _spec_target(x, target, weight, reduction, ignore_index, *rest, **kw):
+    classes = x.shape[1] if x.ndim >= 2 else x.shape[0]
+    return [(target, 1 if x.ndim >= 2 else 0, classes, False, ignore_index)]
+
+
+_aten = aten
+_INDEX = Bound(_spec_indices, IndexError, _index_message)
+_GATHER = Bound(_spec_dim(False), RuntimeError, _index_message)
+_ALONG = Bound(_spec_dim(False), IndexError, _index_message)
+_FILL = Bound(_spec_dim(True), IndexError, _index_message)
+_FLAT = Bound(_spec_flat, IndexError, _take_message)
+# Per op (in-place and out= forms through their functional op, bound_for).
+BOUNDS = {
+    _aten.index.Tensor: _INDEX,
+    _aten.index_put.default: _INDEX,
+    _aten._index_put_impl_.default: _INDEX,
+    _aten.gather.default: _GATHER,
+    _aten.scatter.src: _GATHER,
+    _aten.scatter.value: _GATHER,
+    _aten.scatter.reduce: _GATHER,
+    _aten.scatter.value_reduce: _GATHER,
+    _aten.scatter_add.default: _GATHER,
+    _aten.scatter_reduce.two: _GATHER,
+    _aten.index_select.default: _ALONG,
+    _aten.index_add.default: _ALONG,
+    _aten.index_copy.default: _ALONG,
+    _aten.index_reduce.default: _ALONG,
+    _aten.index_fill.int_Scalar: _FILL,
+    _aten.index_fill.int_Tensor: _FILL,
+    _aten.embedding.default: Bound(_spec_embedding, IndexError, _index_message),
+    _aten._embedding_bag.default: Bound(_spec_embedding, RuntimeError, _bag_message),
+    _aten._embedding_bag_forward_only.default: Bound(_spec_embedding, RuntimeError, _bag_message),
+    _aten.take.default: _FLAT,
+    _aten.put.default: _FLAT,
+    # Backward ops that write rows picked by an index (CPU skips out-of-range
+    # rows there; a forward with the same indices raised before).
+    _aten.embedding_dense_backward.default: Bound(_spec_weight_rows, IndexError, _index_message),
+    _aten._embedding_bag_backward.default: Bound(_spec_bag_backward, IndexError, _index_message),
+    _aten.nll_loss_forward.default: Bound(_spec_target, IndexError, _target_message),
+    _aten.nll_loss2d_forward.default: Bound(_spec_target, IndexError, _target_message),
+}
+
+
+def bound_for(func, functional=None):
+    """func's Bound, or its functional variant's (index_add_, index_select.out)."""
+    bound = BOUNDS.get(func)
+    if bound is None and functional is not None:
+        bound = BOUNDS.get(functional)
+    return bound
+
+
+def check_on_host(func, args, kwargs, functional=None, line=None, to_host=None):
+    """PyTorch's range check for func's index arguments, on the host (syncs:
+    debug mode and the CPU fallback only). Raises what CPU raises, naming
+    the op and the user's line. to_host(t) reads a tpu tensor's values as a
+    CPU tensor (the dispatcher's; the CPU fallback passes CPU tensors)."""
+    bound = bound_for(func, functional)
+    if bound is None:
+        return
+    for index, dim, size, negative_ok, *allowed in bound.spec(*args, **kwargs):
+        if not isinstance(index, torch.Tensor) or index.numel() == 0:
+            continue
+        values = (to_host(index) if index.device.type == "tpu" else index.detach()).reshape(-1)
+        bad = (values < (-size if negative_ok else 0)) | (values >= size)
+        if allowed:
+            bad &= values != allowed[0]
+        if bool(bad.any()):
+            position = int(bad.nonzero()[0, 0])
+            raise out_of_range(bound, func, line or errors.user_line(sys._getframe(1)),
+                               int(values[position]), dim, size, position)
 
 # The check's switch (for measuring its cost; kernels read it when built).
 ON = config.INDEX_CHECKS.on()
@@ -46,10 +222,10 @@ def set_enabled(on):
 
 
 def kernel_bound(plan):
-    """The errors.Bound an op's kernel checks on device, or None."""
+    """The Bound an op's kernel checks on device, or None."""
     if not ON:
         return None
-    return errors.bound_for(plan.func, plan.functional)
+    return bound_for(plan.func, plan.functional)
 
 
 # ---- on device ---------------------------------------------------------------
@@ -241,7 +417,7 @@ def check():
     position, flag = first
     bad = checks[position]
     line = "%s:%d" % bad.where
-    err = errors.out_of_range(bad.bound, bad.func, line, int(flag[3]), int(flag[5]),
+    err = out_of_range(bad.bound, bad.func, line, int(flag[3]), int(flag[5]),
                               int(flag[6]), int(flag[4]))
     _mark_lost(failed, err)
     tainted.clear()

@@ -34,6 +34,7 @@ import torch
 
 from . import bounds, cache, errors, modes
 from .dispatch.kernels import Kernel, _physical_order
+from .modes import checks
 from .modes.strict import StrictExecutor
 from .tensor import Lost, Pending, Storage, TpuTensor, read_view, view_tensor, whole_tensor
 
@@ -42,7 +43,7 @@ graph_fallbacks = {}
 
 
 def _fallback_reason(gm):
-    if errors.CHECK_NANS:
+    if checks.CHECK_NANS:
         return "nan checks"
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):

@@ -262,7 +262,7 @@ def _run_lowered(plan, args, kwargs):
         flat.extend(dynamic)
     if plan.random:
         flat.extend(rng.next_key())
-    if ex.waits_each_op or errors.CHECK_NANS:
+    if ex.waits_each_op or checks.CHECK_NANS:
         # Index bounds and NaN/Inf checks (torchtpu.errors).
         outs, new_storages = checks.checked_run(ex, plan, kernel, flat, storages, args, kwargs,
                                                 host_values)
@@ -550,7 +550,7 @@ def cpu_fallback(plan, args, kwargs):
     tensorish = plan.tensorish
     cargs = [to_cpu(a, tensorish.get(i) is _INDICES) for i, a in enumerate(args)]
     ckwargs = {k: to_cpu(v, tensorish.get(k) is _INDICES) for k, v in kwargs.items()}
-    errors.check_bounds(plan.func, cargs, ckwargs, plan.functional)  # CPU's check, naming the op
+    bounds.check_on_host(plan.func, cargs, ckwargs, plan.functional)  # CPU's check, naming the op
     with _cpu_kernels_in_full():
         out = plan.func(*cargs, **ckwargs)
     written = set(plan.written)

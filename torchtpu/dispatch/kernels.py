@@ -28,7 +28,7 @@ class Kernel:
         self.name = name
         # The index of the device it runs on, and its results live on.
         self.device = device
-        # The errors.Bound whose flag fn returns as its last output (torchtpu.bounds).
+        # The bounds.Bound whose flag fn returns as its last output (torchtpu.bounds).
         self.bound = bound
         # The kernel described the same way in every process (fused mode's
         # stored programs), or None.

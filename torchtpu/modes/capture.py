@@ -57,7 +57,7 @@ class CaptureExecutor(FusedExecutor):
         # Where the checks of the captured indexing ops start in bounds' record.
         self._checks_start = len(bounds.unread_checks())
         # Where the captured ops' lines start in the NaN checks' record.
-        self._lines_start = len(errors.FUSED_LINES)
+        self._lines_start = len(value_checks.FUSED_LINES)
 
     def run(self, kernel, flat, storages):
         if self.failed is not None:
@@ -137,7 +137,7 @@ class CaptureExecutor(FusedExecutor):
         # The captured checks did not run: drop their record (the flag is
         # back to what it was, clear).
         bounds.check()
-        del errors.FUSED_LINES[self._lines_start:]
+        del value_checks.FUSED_LINES[self._lines_start:]
         return CapturedGraph(run, input_storages, [owner for _, owner in live], donate,
                              list(g.scalars), self.random_scalars, len(g.nodes),
                              [(x.shape, x.dtype) for x in g.inputs], checks, g.device)
@@ -156,7 +156,7 @@ class CaptureExecutor(FusedExecutor):
             original = originals.get(id(owner))
             owner.array = original if original is not None else Lost(error, p.shape, p.dtype)
         bounds.check()
-        del errors.FUSED_LINES[self._lines_start:]
+        del value_checks.FUSED_LINES[self._lines_start:]
 
 
 class CapturedGraph:
@@ -213,7 +213,7 @@ class CapturedGraph:
             storage.array = value
         if self._checks:
             self._note_checks(inputs, outputs)
-        if errors.nan_checks_on() and value_checks.any_nonfinite(results):
+        if value_checks.nan_checks_on() and value_checks.any_nonfinite(results):
             raise RuntimeError("torchtpu: a replayed graph produced NaN or Inf "
                                "(TORCHTPU_CHECK_NANS=1)")
         return results

@@ -1,15 +1,63 @@
 """Checks run around an executor's run: debug mode's index bounds before each
 indexing op, and with NaN/Inf checks on (TORCHTPU_CHECK_NANS=1 or
-errors.set_check_nans) a stop at the first op producing NaN/Inf, naming the
-op and the user's line. In fused mode an op is recorded, not run: its line
-is logged, and a flushed graph whose results hold NaN/Inf is replayed op by
-op to find it."""
+torchtpu.set_check_nans) a stop at the first op producing NaN/Inf, naming
+the op and the user's line. In fused mode an op is recorded, not run: its
+line is logged, and a flushed graph whose results hold NaN/Inf is replayed
+op by op to find it."""
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from .. import errors
+from .. import bounds, config, errors
+
+
+# ---- the NaN/Inf switch ----------------------------------------------------------
+
+def check_nans_enabled():
+    return config.CHECK_NANS.on()
+
+
+# Read once for strict and fused mode (the dispatcher tests it per op);
+# debug mode also reads the variable live. set_check_nans() changes it.
+CHECK_NANS = check_nans_enabled()
+
+
+def nan_checks_on():
+    """Whether NaN/Inf checks run now: set at run time or in the environment."""
+    return CHECK_NANS or check_nans_enabled()
+
+
+def set_check_nans(on=True):
+    """Turn NaN/Inf checks on or off at run time (TORCHTPU_CHECK_NANS=1 at start)."""
+    global CHECK_NANS
+    CHECK_NANS = bool(on)
+    config.CHECK_NANS.set("1" if on else "0")
+
+
+def nan_message(op, line):
+    return (f"torchtpu: {op} produced NaN or Inf (TORCHTPU_CHECK_NANS=1); "
+            f"issued at {line}")
+
+
+# Fused mode with NaN checks on: (kernel, user line) per recorded op, in
+# recording order (checked_run logs them; the flush takes them).
+FUSED_LINES = []
+
+
+def graph_lines(g):
+    """The issuing lines of a fused graph's nodes, if checks recorded them."""
+    nodes = getattr(g, "nodes", None) or []
+    n = len(nodes)
+    if len(FUSED_LINES) < n:
+        return None
+    entries = FUSED_LINES[:n]
+    if any(k is not node[0] for (k, _), node in zip(entries, nodes)):
+        return None
+    return [line for _, line in entries]
+
+
+# ---- the checks --------------------------------------------------------------------
 
 
 @jax.jit
@@ -50,30 +98,30 @@ def replay_for_nan(g):
 def checked_run(ex, plan, kernel, flat, storages, args, kwargs, to_host):
     """ex.run with debug mode's checks: index bounds before, NaN/Inf after.
     to_host(t): a tpu tensor's values on the CPU (the dispatcher's)."""
-    if ex.name == "debug":
-        errors.check_bounds(plan.func, args, kwargs, plan.functional,
+    if ex.waits_each_op:
+        bounds.check_on_host(plan.func, args, kwargs, plan.functional,
                             errors.user_line(sys._getframe(1)), to_host)
     outs, written = ex.run(kernel, flat, storages)
-    if not errors.nan_checks_on():
+    if not nan_checks_on():
         return outs, written
     arrays = tuple(outs) + tuple(written)
     if any(not hasattr(a, "block_until_ready") for a in arrays):
         # Recorded, not run (fused): remember where, check at the flush.
-        errors.FUSED_LINES.append((kernel, errors.user_line(sys._getframe(1))))
+        FUSED_LINES.append((kernel, errors.user_line(sys._getframe(1))))
         return outs, written
     if any_nonfinite(arrays):
-        raise RuntimeError(errors.nan_message(kernel.name, errors.user_line(sys._getframe(1))))
+        raise RuntimeError(nan_message(kernel.name, errors.user_line(sys._getframe(1))))
     return outs, written
 
 
 def after_flush(g, results):
     """Fused mode: with NaN checks on, a flushed graph whose results hold
     NaN/Inf is replayed op by op to name the first op that produced one."""
-    if not errors.FUSED_LINES and not errors.nan_checks_on():
+    if not FUSED_LINES and not nan_checks_on():
         return
-    lines = errors.graph_lines(g)
-    del errors.FUSED_LINES[:len(g.nodes)]
-    if not errors.nan_checks_on():
+    lines = graph_lines(g)
+    del FUSED_LINES[:len(g.nodes)]
+    if not nan_checks_on():
         return
     if not any_nonfinite(results):
         return
@@ -83,4 +131,4 @@ def after_flush(g, results):
                            "(TORCHTPU_CHECK_NANS=1)")
     i, name = found
     line = lines[i] if lines else "<line not recorded: set TORCHTPU_CHECK_NANS=1 before the op>"
-    raise RuntimeError(errors.nan_message(name, line))
+    raise RuntimeError(nan_message(name, line))

@@ -302,12 +302,12 @@ class FusedExecutor(StrictExecutor):
         self._graph = _Graph()
         self._cut = reason == "limit"  # (a sync sets the boundary, not the limit)
         live = _live(g)
-        if not live and not g.collectives and not errors.nan_checks_on():
+        if not live and not g.collectives and not checks.nan_checks_on():
             # Nothing recorded is held any more (the empty buffer of each
             # upload, replaced by its data): there is nothing to run.
             return
         renamed = None
-        if g.collectives and not errors.FUSED_LINES and not errors.nan_checks_on():
+        if g.collectives and not checks.FUSED_LINES and not checks.nan_checks_on():
             # Every rank must run the same program: drop what one rank alone
             # computed and no longer holds (a value it read). (Not with NaN
             # checks on: their record of lines follows the recorded nodes.)
@@ -315,13 +315,13 @@ class FusedExecutor(StrictExecutor):
         try:
             self._issue(g, live, renamed, reason)
         except Exception as e:
-            errors.note_fused_graph(e, g, reason)  # its message names the graph's ops
+            errors.note_fused_graph(e, g, reason, checks.graph_lines(g))  # its message names the graph's ops
             raise
 
     def _issue(self, g, live, renamed, reason):
         """Compile (or find) and run graph g, giving each live value's owner its array."""
         self._last = None  # the last graph's results: maybe this one's inputs, to donate
-        donate = None if errors.nan_checks_on() else _donatable(g, live)
+        donate = None if checks.nan_checks_on() else _donatable(g, live)
         if donate is not None:
             live = _donation_order(g, live, donate)
         live_refs = tuple(p.ref if renamed is None else renamed[p.ref] for p, _ in live)

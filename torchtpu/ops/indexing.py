@@ -3,7 +3,7 @@
 PyTorch wraps negative indices (index, index_put, take, put) and raises on
 out-of-range ones; XLA clamps gathers and drops scattered updates that fall
 out of range. Every lowering here sends its indices through `wrap`; the range
-check is not the lowerings' business: errors.BOUNDS says which arguments of
+check is not the lowerings' business: bounds.BOUNDS says which arguments of
 which ops are indices, and the dispatcher checks them (on the host in debug
 mode, inside the op's kernel otherwise: torchtpu.bounds).
 """
