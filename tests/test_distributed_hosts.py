@@ -76,7 +76,7 @@ def test_local_rank_names_each_process_own_device(tmp_path, xla_flags):
 
 
 def test_each_process_on_a_host_is_given_its_own_chip():
-    from torchtpu.distributed.bootstrap import gpu_device_ids, tpu_environment
+    from torchtpu.runtime.bootstrap import gpu_device_ids, tpu_environment
     # A TPU host of 4 chips, torchrun --nproc-per-node 4: rank 2's variables.
     env = tpu_environment(2, 4, 4, 4, {})
     assert env == {"TPU_VISIBLE_CHIPS": "2", "TPU_CHIPS_PER_PROCESS_BOUNDS": "1,1,1",
@@ -104,7 +104,7 @@ def test_each_process_on_a_host_is_given_its_own_chip():
 
 
 def test_local_rank_outside_the_local_world_raises(monkeypatch):
-    from torchtpu.distributed import bootstrap
+    from torchtpu.runtime import bootstrap
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"):
@@ -161,7 +161,7 @@ def test_a_dead_rank_fails_the_others_collective_naming_it(tmp_path, dead):
 
 
 def test_a_coordination_service_that_cannot_start_raises(monkeypatch):
-    from torchtpu.distributed import bootstrap, coordinator
+    from torchtpu.runtime import bootstrap, coordinator
     # JAX's service raises there, or its process crashes (JAX's failure path
     # sometimes does): either way, an error at once rather than a wait.
     with pytest.raises(RuntimeError, match="service on 256.1.1.1:99999 did not start: "

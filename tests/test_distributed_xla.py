@@ -512,7 +512,7 @@ def _torchrun_env(monkeypatch, **env):
 
 
 def test_bootstrap_reads_torchruns_environment(monkeypatch):
-    from torchtpu.distributed import bootstrap
+    from torchtpu.runtime import bootstrap
     full = dict(MASTER_ADDR="10.0.0.7", MASTER_PORT="29500", RANK="1", WORLD_SIZE="2")
     _torchrun_env(monkeypatch, **full)
     assert bootstrap._wanted()

@@ -3,12 +3,9 @@
 `register()` (run when torchtpu is imported) makes `tpu` a backend that
 `init_process_group()` picks when tpu is the accelerator, as it picks nccl
 for CUDA. Its collectives run as XLA collectives over the group's devices
-when jax.distributed is up (bootstrap.py starts it from torchrun's
-environment), else through gloo on host copies (process_group.py says
+when jax.distributed is up (torchtpu.runtime.bootstrap starts it from
+torchrun's environment), else through gloo on host copies (process_group.py says
 which, host.py and xla.py how).
-
-This package's own import stays free of the rest of torchtpu: the runtime
-imports bootstrap from it before the JAX backend exists.
 
 PyTorch runs a process-group backend written in Python as the group itself,
 not as a per-device backend of it, so the functional collectives (DTensor,

@@ -1,7 +1,7 @@
 """The `tpu` process group: torch.distributed's collectives on tpu tensors.
 
 With jax.distributed up (torchtpu started under torchrun's environment,
-distributed/bootstrap.py), each collective on tpu tensors runs as one XLA
+runtime/bootstrap.py), each collective on tpu tensors runs as one XLA
 collective over the devices of the group's ranks (xla.py), after the ranks
 have agreed on what they call (agreement.py); the results are written into
 the tensors through the dispatcher's copy, so they never pass through host

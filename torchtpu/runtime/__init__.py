@@ -1,10 +1,14 @@
-"""The JAX runtime: platform choice, x64, dtype maps, host<->device transfer."""
+"""The JAX runtime: platform choice, x64, dtype maps, host<->device transfer.
+
+bootstrap.py starts jax.distributed from torchrun's environment before JAX
+creates its backend (coordinator.py serves its coordinator apart from the
+ranks); the process-group backend is torchtpu.distributed."""
 
 import jax
 
 # int64 and float64 must stay what they are.
 jax.config.update("jax_enable_x64", True)
-from .distributed import bootstrap  # noqa: E402
+from . import bootstrap  # noqa: E402
 bootstrap.initialize_from_env()  # jax.distributed before JAX creates its backend
 
 import jax.numpy as jnp  # noqa: E402
@@ -12,7 +16,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from . import config  # noqa: E402
+from .. import config  # noqa: E402
 
 _PREFERENCE = ("tpu", "gpu", "cpu")
 
