@@ -263,9 +263,9 @@ def _run_lowered(plan, args, kwargs):
     if plan.random:
         flat.extend(rng.next_key())
     if ex.waits_each_op or checks.CHECK_NANS:
-        # Index bounds and NaN/Inf checks (torchtpu.errors).
-        outs, new_storages = checks.checked_run(ex, plan, kernel, flat, storages, args, kwargs,
-                                                host_values)
+        # The executor's checks around the op: debug mode's index bounds,
+        # NaN/Inf (torchtpu.modes.checks).
+        outs, new_storages = ex.run_checked(kernel, flat, storages, plan, args, kwargs, host_values)
     else:
         outs, new_storages = ex.run(kernel, flat, storages)
     if kernel.bound is not None or bounds.tainted:

@@ -41,7 +41,7 @@ def nan_message(op, line):
 
 
 # Fused mode with NaN checks on: (kernel, user line) per recorded op, in
-# recording order (checked_run logs them; the flush takes them).
+# recording order (nan_checked_run logs them; the flush takes them).
 FUSED_LINES = []
 
 
@@ -95,12 +95,16 @@ def replay_for_nan(g):
     return None
 
 
-def checked_run(ex, plan, kernel, flat, storages, args, kwargs, to_host):
-    """ex.run with debug mode's checks: index bounds before, NaN/Inf after.
-    to_host(t): a tpu tensor's values on the CPU (the dispatcher's)."""
-    if ex.waits_each_op:
-        bounds.check_on_host(plan.func, args, kwargs, plan.functional,
-                            errors.user_line(sys._getframe(1)), to_host)
+def bounds_on_host(plan, args, kwargs, to_host):
+    """Debug mode's check before an op: its index arguments in range, read
+    on the host (to_host(t): a tpu tensor's values as a CPU tensor)."""
+    bounds.check_on_host(plan.func, args, kwargs, plan.functional,
+                         errors.user_line(sys._getframe(1)), to_host)
+
+
+def nan_checked_run(ex, kernel, flat, storages):
+    """ex.run, then with NaN/Inf checks on, a stop if the op produced one
+    (recorded ops: their line is logged for the flush's check)."""
     outs, written = ex.run(kernel, flat, storages)
     if not nan_checks_on():
         return outs, written

@@ -3,6 +3,7 @@ ahead until a value is needed."""
 import jax
 
 from .. import metrics
+from . import checks
 
 
 class StrictExecutor:
@@ -19,6 +20,13 @@ class StrictExecutor:
         outs, written = kernel.jitted(*flat)
         self._last = (outs, written)
         return outs, written
+
+    def run_checked(self, kernel, flat, storages, plan, args, kwargs, to_host):
+        """run, with the checks this mode makes around an op (NaN/Inf, when
+        switched on); the dispatcher calls it instead of run when
+        waits_each_op or checks.CHECK_NANS. plan, args and kwargs are the
+        op's; to_host reads a tpu tensor's values on the host."""
+        return checks.nan_checked_run(self, kernel, flat, storages)
 
     def concrete(self, storage):
         metrics.take_sync_reason(None)
