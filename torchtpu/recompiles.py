@@ -80,8 +80,9 @@ def _tensor_facts(spec):
     view = spec[4]
     if view is None:
         return spec[2], list(spec[3]), "contiguous"
-    layout = f"strides {list(view[1])}" + (f" offset {view[2]}" if len(view) > 2 else "")
-    return spec[2], list(view[0]), layout
+    offset = getattr(view, "offset", None)  # (a Window's is fed at run time)
+    layout = f"strides {list(view.stride)}" + (f" offset {offset}" if offset is not None else "")
+    return spec[2], list(view.shape), layout
 
 
 def _spec_differences(x, y):

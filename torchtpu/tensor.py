@@ -6,12 +6,14 @@ tensor that aliases it (views, detach, the base) holds the same Storage; a
 write replaces Storage.array, so all of them see it.
 
 A tensor's view is None when it *is* the storage array (same shape,
-contiguous, offset 0), else (shape, stride, offset) in elements over the
-flattened storage. read_view/write_view turn that into JAX code; they run at
-trace time, inside the one jitted kernel of each op.
+contiguous, offset 0), else a View (shape, stride, offset) in elements over
+the flattened storage, or a DtypeView over its bytes read as another dtype.
+read_view/write_view turn that into JAX code; they run at trace time, inside
+the one jitted kernel of each op.
 """
 import math
 import re
+import typing
 import weakref
 
 import jax.numpy as jnp
@@ -144,25 +146,50 @@ def _is_contiguous(shape, stride):
     return True
 
 
+class View(typing.NamedTuple):
+    """The elements a tensor views of its storage, flattened."""
+    shape: tuple
+    stride: tuple
+    offset: int
+
+
+class DtypeView(typing.NamedTuple):
+    """The storage's bytes read as another dtype (x.view(torch.uint8),
+    view_as_real), then viewed as a View does (torch dtypes)."""
+    shape: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+    storage_dtype: torch.dtype
+
+
+class Window(typing.NamedTuple):
+    """A View whose offset a kernel takes at run time (a dynamic scalar):
+    one kernel serves every position (data[i:i + n] at a moving i)."""
+    shape: tuple
+    stride: tuple
+
+
 def make_view(storage_shape, shape, stride, offset):
-    """The view spec of a tensor over a storage array of storage_shape."""
+    """The view of a tensor over a storage array of storage_shape: None
+    when it is the whole array, else a View."""
     shape, stride = tuple(shape), tuple(stride)
     if offset == 0 and shape == tuple(storage_shape) and _is_contiguous(shape, stride):
         return None
-    return (shape, stride, offset)
+    return View(shape, stride, offset)
 
 
 
 def grown_view(t):
-    """t's view (shape, stride, offset) over its GrownStorage's exact array,
-    as the same view over the padded array (padded along the storage's axis
-    to its bucket): ((shape, stride), offset), or None when a view dim does
+    """t's view over its GrownStorage's exact array, as the same view over
+    the padded array (padded along the storage's axis to its bucket):
+    (Window, offset), or None when a view dim does
     not step along one storage axis within it (then the exact array is
     read). The offset varies from step to step (x[:, -1]), so kernels take
     it as a dynamic scalar. The storage's padded tensor must be alive."""
     view, shape, axis = t._view, t._key[1], t._storage.axis
     capacity = t._storage.grown.shape[axis]
-    if len(view) != 3:
+    if type(view) is not View:
         return None  # a dtype view
     vshape, vstride, offset = view
     logical = contiguous_strides(shape)
@@ -188,12 +215,12 @@ def grown_view(t):
             return None
         used.add(j)
         strides.append(step * physical[j])
-    return (tuple(vshape), tuple(strides)), sum(i * p for i, p in zip(index, physical))
+    return Window(tuple(vshape), tuple(strides)), sum(i * p for i, p in zip(index, physical))
 
 def storage_dtype(t):
     """The dtype of t's storage array: t's, unless t views its bytes as
     another dtype (x.view(torch.uint8), view_as_real)."""
-    return t.dtype if t._view is None or len(t._view) == 3 else t._view[4]
+    return t.dtype if type(t._view) is not DtypeView else t._view.storage_dtype
 
 
 def check_in_storage(shape, stride, offset, itemsize, nbytes):
@@ -369,10 +396,10 @@ def _finish(core, dims, shape, stride):
 
 
 def read_view_at(arr, view, offset):
-    """read_view of a (shape, stride) view at an offset known only when the
-    kernel runs (a dynamic scalar): a view of a grown storage, or one whose
-    position moves from call to call (data[i:i + n])."""
-    return _read_flat(arr.reshape(-1), view[0], view[1], offset)
+    """read_view of a Window at an offset known only when the kernel runs
+    (a dynamic scalar): a view of a grown storage, or one whose position
+    moves from call to call (data[i:i + n])."""
+    return _read_flat(arr.reshape(-1), view.shape, view.stride, offset)
 
 def _flat_indices(shape, stride, offset):
     idx = jnp.asarray(offset, dtype=jnp.int64)
@@ -421,16 +448,13 @@ def reinterpret_as(flat, storage_dtype, dtype):
 
 
 def read_view(arr, view):
-    """The elements view selects of a storage array. A view is (shape,
-    stride, offset) over the flat storage, or (shape, stride, offset, dtype,
-    storage dtype) over the flat storage's bytes read as dtype (a dtype view;
-    torch dtypes)."""
+    """The elements view (None, a View or a DtypeView) selects of a storage array."""
     if view is None:
         return arr
     flat = arr.reshape(-1)
-    if len(view) == 5:
-        flat = reinterpret_as(flat, view[4], view[3])
-    return _read_flat(flat, *view[:3])
+    if type(view) is DtypeView:
+        flat = reinterpret_as(flat, view.storage_dtype, view.dtype)
+    return _read_flat(flat, view.shape, view.stride, view.offset)
 
 
 def _read_flat(flat, shape, stride, offset):
@@ -475,16 +499,17 @@ def write_view(arr, view, value):
     """arr with the elements that view selects replaced by value."""
     if view is None:
         return jnp.broadcast_to(value.astype(arr.dtype), arr.shape)
-    if len(view) == 5:
+    if type(view) is DtypeView:
         # Written as the view's dtype into the storage's bytes read so.
-        flat = _write_flat(reinterpret_as(arr.reshape(-1), view[4], view[3]), view[:3], value)
-        return reinterpret_as(flat, view[3], view[4]).reshape(arr.shape)
+        flat = _write_flat(reinterpret_as(arr.reshape(-1), view.storage_dtype, view.dtype),
+                           view[:3], value)
+        return reinterpret_as(flat, view.dtype, view.storage_dtype).reshape(arr.shape)
     return _write_flat(arr.reshape(-1), view, value).reshape(arr.shape)
 
 
 def write_view_at(arr, view, offset, value):
-    """write_view of a (shape, stride) view at an offset known only when the
-    kernel runs (buf[i:i + n] = x at a moving i)."""
+    """write_view of a Window at an offset known only when the kernel runs
+    (buf[i:i + n] = x at a moving i)."""
     return _write_flat(arr.reshape(-1), (*view, offset), value).reshape(arr.shape)
 
 

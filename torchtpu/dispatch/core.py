@@ -21,8 +21,8 @@ from torch._decomp import decomposition_table
 from .. import advisor, bounds, cache, errors, metrics, modes, recompiles, runtime
 from ..modes import checks
 from ..ops import random as rng
-from ..tensor import (GrownStorage, Lost, Storage, TpuTensor, check_in_storage, contiguous_strides, make_view,
-                      storage_dtype, view_tensor, whole_tensor)
+from ..tensor import (DtypeView, GrownStorage, Lost, Storage, TpuTensor, check_in_storage, contiguous_strides,
+                      make_view, storage_dtype, view_tensor, whole_tensor)
 from .host import download, host_values, to_tpu
 from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
                       _physical_order, _run_meta, _spec, _unflatten, first_device, grown_readable,
@@ -474,7 +474,7 @@ def _view_of(m, storage_shape, storage_dtype):
     as m's dtype, so that writes through either reach the other."""
     if m.dtype == storage_dtype:
         return make_view(storage_shape, m.shape, m.stride(), m.storage_offset())
-    return (tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype, storage_dtype)
+    return DtypeView(tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype, storage_dtype)
 
 
 def _hashable(x):

@@ -4,7 +4,7 @@ import functools
 import math
 
 from .. import advisor, cache, metrics, modes, runtime
-from ..tensor import GrownStorage, Lost, Storage, TpuTensor, grown_view, read_view, read_view_at
+from ..tensor import GrownStorage, Lost, Storage, TpuTensor, View, Window, grown_view, read_view, read_view_at
 
 
 def to_tpu(t, non_blocking=False, device=0):
@@ -42,10 +42,10 @@ def device_array(t):
     view = t._view
     if view is None:
         return arr
-    if len(view) == 3:
+    if type(view) is View:
         # At its offset fed at run time: one reader per view shape, not per
         # position (print(data[i]) at a moving i).
-        return _reader_at(view[:2])(arr, view[2])
+        return _reader_at(Window(view.shape, view.stride))(arr, view.offset)
     return _reader(view)(arr)
 
 
@@ -63,15 +63,15 @@ def _host_array(t):
         padded = runtime.to_host(device_array(storage.grown), t.dtype)
         return padded.narrow(storage.axis, 0, storage.extent).clone()
     view = t._view
-    if view is not None and len(view) == 3 and type(storage) is Storage:
+    if type(view) is View and type(storage) is Storage:
         arr = modes.current().concrete(storage)
         if type(arr) is Lost:
             arr.fail()
-        if arr.size * arr.dtype.itemsize <= _HOST_VIEW_MAX_BYTES or arr.size <= 2 * math.prod(view[0]):
+        if arr.size * arr.dtype.itemsize <= _HOST_VIEW_MAX_BYTES or arr.size <= 2 * math.prod(view.shape):
             # The view is taken on the host: no reader kernel to compile
             # for a view downloaded once (printing x[:, 0]).
             whole = runtime.to_host(arr, t.dtype).reshape(-1)
-            return whole.as_strided(view[0], view[1], view[2]).clone()
+            return whole.as_strided(view.shape, view.stride, view.offset).clone()
     return runtime.to_host(device_array(t), t.dtype)
 
 

@@ -12,8 +12,8 @@ import torch
 from .. import bounds, cache, properties, runtime
 from ..ops import ctx
 from ..ops import random as rng
-from ..tensor import (DEVICES, GrownStorage, TpuTensor, _is_contiguous, contiguous_strides, grown_view,
-                      read_view, read_view_at, write_view, write_view_at)
+from ..tensor import (DEVICES, GrownStorage, TpuTensor, View, Window, _is_contiguous, contiguous_strides,
+                      grown_view, read_view, read_view_at, write_view, write_view_at)
 from .host import to_tpu
 from .plans import _DYNAMIC_SCALAR_TYPES, _INDICES, _SCALARS
 
@@ -128,8 +128,7 @@ def grown_readable(t):
 
 def _grown_spec(call, t):
     """A view of a grown storage, read from its padded array at an offset
-    fed at run time: ("d", slot, dtype, padded shape, (shape, stride),
-    device), so each step of the growth reuses one kernel."""
+    fed at run time: ("d", slot, dtype, padded shape, Window, device), so each step of the growth reuses one kernel."""
     storage = t._storage
     grown = storage.grown
     if grown is None:
@@ -239,10 +238,10 @@ def offsets_fed(pos_specs, kw_specs, dynamic):
         kind = spec[0]
         if kind == "t":
             view = spec[4]
-            if view is None or len(view) != 3:
+            if type(view) is not View:
                 return spec  # the whole storage, or a dtype view
-            new.append(view[2])
-            return ("d", spec[1], spec[2], spec[3], view[:2], spec[5])
+            new.append(view.offset)
+            return ("d", spec[1], spec[2], spec[3], Window(view.shape, view.stride), spec[5])
         if kind == "d" or kind == "s":
             new.append(next(old))
         elif kind == "l":
@@ -262,7 +261,7 @@ def _spec_contiguous(spec):
     if spec[0] != "t" and spec[0] != "d":
         return None
     view = spec[4]
-    return view is None or _is_contiguous(view[0], view[1])
+    return view is None or _is_contiguous(view.shape, view.stride)
 
 
 def _physical_order(meta):
