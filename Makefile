@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile --durations=20 tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 demo: install
 	$(PY) examples/train_cuda_script.py

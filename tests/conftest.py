@@ -18,6 +18,23 @@ import torchtpu  # noqa: E402
 MODES = ["debug", "strict", "fused"]
 
 
+# The files that take longest, longest first (measured with --durations=0):
+# `make test` runs each file on one worker (--dist loadfile) in this order,
+# so the long ones start first and the two workers finish together.
+SLOWEST_FIRST = [
+    "test_opinfo.py", "test_module_db.py", "test_cache.py", "test_ops_nn.py",
+    "test_benchmarks_gpu_script.py", "test_ops_reduction.py", "test_ops_pointwise.py",
+    "test_compile.py", "test_training.py", "test_hf.py", "test_graphs.py", "test_recurrent.py",
+    "test_ops_linalg.py", "test_generate.py", "test_fsdp_tp.py", "test_ops_indexing.py",
+    "test_distributed_xla.py", "test_distributed_hosts.py", "test_flex_attention.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files keep their order
+
+
 @pytest.fixture(params=MODES)
 def mode(request):
     """Run the test in each eager mode; yields the mode's name."""
