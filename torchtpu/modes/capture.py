@@ -50,8 +50,7 @@ class CaptureExecutor(FusedExecutor):
     def __init__(self):
         super().__init__()
         self._limit = float("inf")  # the whole region is one graph
-        self._rng_offset = rng._state["offset"]
-        self._rng_seed = rng._state["seed"]
+        self._rng_seed, self._rng_offset = rng.position()
         self.random_scalars = []  # (seed position, offset position) in the graph's scalars
         self.failed = None        # the first error that invalidated the capture
         # Where the checks of the captured indexing ops start in bounds' record.
@@ -63,12 +62,12 @@ class CaptureExecutor(FusedExecutor):
         if self.failed is not None:
             raise RuntimeError("torchtpu: this graph capture is invalid (an earlier error: "
                                f"{self.failed}); leave the torch.tpu.graph block")
-        offset = rng._state["offset"]
+        seed, offset = rng.position()
         drew = offset != self._rng_offset
         if drew:
             # The dispatcher appends a random op's (seed, offset) last.
             n_scalars = len(flat) - len(storages)
-            if (offset != self._rng_offset + 1 or rng._state["seed"] != self._rng_seed
+            if (offset != self._rng_offset + 1 or seed != self._rng_seed
                     or n_scalars < 2 or flat[-1] != offset - 1 or flat[-2] != self._rng_seed):
                 self._fail(RuntimeError(
                     f"torchtpu: the random op {kernel.name} at {errors.user_line(sys._getframe(1))} draws from the "

@@ -51,6 +51,11 @@ def set_rng_state(new_state, device="tpu"):
     _state["seed"], _state["offset"] = _signed64(seed_), offset
 
 
+def position():
+    """(seed, offset): the key the next random op draws (next_key moves it on)."""
+    return _state["seed"], _state["offset"]
+
+
 def next_key():
     """(seed, offset) for the next random op, as kernel inputs."""
     offset = _state["offset"]
