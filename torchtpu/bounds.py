@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import config, errors, runtime  # noqa: F401  (runtime first: int64 flags need x64)
-from .compat import aten
+from .compat import aten as _aten
 from .tensor import Lost, Pending, Storage
 
 
@@ -38,7 +38,7 @@ from .tensor import Lost, Pending, Storage
 # (index, dim, size, negative_ok[, allowed]) per index argument, reading only
 # shapes and static arguments, so it serves torch tensors (the host check:
 # debug mode, the CPU fallback) and JAX arrays (the flag each indexing kernel
-# computes on device in strict and fused mode, torchtpu.bounds) alike.
+# computes on device in strict and fused mode, below) alike.
 # `allowed` is a value let through anyway (nll_loss's ignore_index).
 
 class Bound:
@@ -138,7 +138,6 @@ def _spec_target(x, target, weight, reduction, ignore_index, *rest, **kw):
     return [(target, 1 if x.ndim >= 2 else 0, classes, False, ignore_index)]
 
 
-_aten = aten
 _INDEX = Bound(_spec_indices, IndexError, _index_message)
 _GATHER = Bound(_spec_dim(False), RuntimeError, _index_message)
 _ALONG = Bound(_spec_dim(False), IndexError, _index_message)
@@ -418,7 +417,7 @@ def check():
     bad = checks[position]
     line = "%s:%d" % bad.where
     err = out_of_range(bad.bound, bad.func, line, int(flag[3]), int(flag[5]),
-                              int(flag[6]), int(flag[4]))
+                       int(flag[6]), int(flag[4]))
     _mark_lost(failed, err)
     tainted.clear()
     raise err

@@ -32,14 +32,20 @@ def device_array(t):
         # A view of a grown storage (ids[:, -1]): read from its padded array.
         found = grown_view(t)
         if found is not None:
-            arr = modes.current().concrete(storage.grown._storage)
-            if type(arr) is Lost:
-                arr.fail()
-            return _reader_at(found[0])(arr, found[1])
+            return _reader_at(found[0])(_concrete(storage.grown._storage), found[1])
+    return _viewed(_concrete(storage), t._view)
+
+
+def _concrete(storage):
+    """storage's array, waiting for its executor; a lost value raises."""
     arr = modes.current().concrete(storage)
     if type(arr) is Lost:
         arr.fail()
-    view = t._view
+    return arr
+
+
+def _viewed(arr, view):
+    """The elements view selects of arr, by a reader kernel."""
     if view is None:
         return arr
     if type(view) is View:
@@ -64,14 +70,13 @@ def _host_array(t):
         return padded.narrow(storage.axis, 0, storage.extent).clone()
     view = t._view
     if type(view) is View and type(storage) is Storage:
-        arr = modes.current().concrete(storage)
-        if type(arr) is Lost:
-            arr.fail()
+        arr = _concrete(storage)
         if arr.size * arr.dtype.itemsize <= _HOST_VIEW_MAX_BYTES or arr.size <= 2 * math.prod(view.shape):
             # The view is taken on the host: no reader kernel to compile
             # for a view downloaded once (printing x[:, 0]).
             whole = runtime.to_host(arr, t.dtype).reshape(-1)
             return whole.as_strided(view.shape, view.stride, view.offset).clone()
+        return runtime.to_host(_viewed(arr, view), t.dtype)
     return runtime.to_host(device_array(t), t.dtype)
 
 

@@ -128,7 +128,8 @@ def grown_readable(t):
 
 def _grown_spec(call, t):
     """A view of a grown storage, read from its padded array at an offset
-    fed at run time: ("d", slot, dtype, padded shape, Window, device), so each step of the growth reuses one kernel."""
+    fed at run time: ("d", slot, dtype, padded shape, Window, device), so
+    each step of the growth reuses one kernel."""
     storage = t._storage
     grown = storage.grown
     if grown is None:

@@ -2,7 +2,7 @@
 ahead until a value is needed."""
 import jax
 
-from .. import metrics
+from .. import bounds, metrics
 from . import checks
 
 
@@ -30,7 +30,6 @@ class StrictExecutor:
 
     def concrete(self, storage):
         metrics.take_sync_reason(None)
-        from .. import bounds  # not at import: it needs the tpu device named
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
@@ -39,5 +38,4 @@ class StrictExecutor:
         if self._last is not None:
             jax.block_until_ready(self._last)
             self._last = None
-        from .. import bounds
         bounds.check()
