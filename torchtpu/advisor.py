@@ -92,13 +92,12 @@ def note_grown_cut(op, line, dim, length, bucket):
     S.grown_cuts[(op, line, dim, bucket)] += 1
 
 
-def sync_point(read):
-    """Run read() (a device->host transfer), noting its line and wait."""
-    reason = metrics.sync_reason() or "read"
+def timed_sync(reason, wait):
+    """Run wait() (a sync point), noting its user line, reason and wait."""
     S.syncs[(errors.user_line(sys._getframe(1)), reason)] += 1
     start = time.perf_counter()
     try:
-        return read()
+        return wait()
     finally:
         S.sync_seconds += time.perf_counter() - start
 

@@ -37,8 +37,7 @@ def _settle():
     (modes is imported here: its executors need the device registered first.)"""
     from . import modes
     runtime.wait_transfers()
-    modes.note_sync("memory_stats")
-    modes.sync()
+    modes.sync("memory_stats")
     for wait in holders:
         wait()
 

@@ -20,27 +20,6 @@ class _Metrics:
 
 
 M = _Metrics()
-# Why the next read of device values happens (fused mode reports it per
-# flush, the advisor per line); the executors take it when they sync.
-_sync_reason = None
-
-
-def note_sync(reason):
-    """Name the reason for the next read of device values. The outermost
-    caller names it: print() reads through .cpu()."""
-    global _sync_reason
-    if _sync_reason is None:
-        _sync_reason = reason
-
-
-def sync_reason():
-    return _sync_reason
-
-
-def take_sync_reason(default):
-    global _sync_reason
-    reason, _sync_reason = _sync_reason, None
-    return reason or default
 _providers = []
 _footers = []
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import dispatch, modes, properties, runtime
+from . import dispatch, properties, runtime
 from .tensor import (DEVICE, DEVICES, HANDLE, Lost, Pending, Storage, TpuTensor, check_in_storage,
                      contiguous_strides, storage_dtype, view_tensor, whole_tensor)
 
@@ -190,8 +190,7 @@ class TpuStorage(_OnTpu):
         """A CPU copy of the bytes (a sync point: torch.save writes this)."""
         storage = self.tpu_storage()
         whole = TpuTensor(storage, storage.array.shape, self._dtype)
-        modes.note_sync("cpu")  # as t.cpu() names its read
-        return dispatch.download(whole).untyped_storage()
+        return dispatch.download(whole, "cpu").untyped_storage()
 
     def _write_file(self, *args):
         # The legacy format (and so pickle) writes the C++ bytes.

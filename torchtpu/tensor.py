@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import metrics, runtime
+from . import runtime
 
 # tpu:N for each device index (a tensor's device is its storage's).
 DEVICES = [torch.device("tpu", i) for i in range(len(runtime.DEVICES))]
@@ -87,16 +87,15 @@ class GrownStorage(Storage):
     padded along that axis to a bucket (zeros past the extent), so each step
     compiles nothing new until the bucket fills (torchtpu.dispatch.growth).
     `array`, what every op that does not know about growth reads, is the
-    exact array, cut from `grown` on first use; a write replaces it and ends
-    the growth."""
-    __slots__ = ("grown", "axis", "extent", "_exact")
-    # Set by torchtpu.dispatch.growth: grown storage -> its exact array.
-    cut = None
+    exact array, cut from `grown` on first use by cut(storage, op) (the
+    dispatcher's, which makes it); a write replaces it and ends the growth."""
+    __slots__ = ("grown", "axis", "extent", "cut", "_exact")
 
-    def __init__(self, grown, axis, extent, exact=None):
+    def __init__(self, grown, axis, extent, cut, exact=None):
         self.grown = grown
         self.axis = axis
         self.extent = extent
+        self.cut = cut
         self.device = grown._storage.device
         self._exact = None
         if exact is not None:
@@ -115,7 +114,7 @@ class GrownStorage(Storage):
         """array, for op (its name) that reads it whole: the advisor names
         the op that made the cut."""
         if self._exact is None:
-            self._own(GrownStorage.cut(self, op))
+            self._own(self.cut(self, op))
         return self._exact
 
     @array.setter
@@ -311,8 +310,7 @@ class TpuTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents=None):
         # Print a CPU copy (one transfer, no device ops), then name the device
         # where PyTorch puts it: the first suffix after the data.
-        metrics.note_sync("print")
-        text = torch._tensor_str._str(self.detach().cpu(), tensor_contents=tensor_contents)
+        text = torch._tensor_str._str(_download(self.detach(), "print"), tensor_contents=tensor_contents)
         device = f"device='{self.device}'"
         match = re.search(r",(\s+)(size=|dtype=)", text)
         if match:
@@ -357,11 +355,15 @@ def _dispatch(func, args, kwargs):
     raise RuntimeError("torchtpu.dispatch is not imported: import torchtpu")
 
 
-def set_dispatcher(fn):
+_download = _dispatch
+
+
+def set_dispatcher(fn, download):
     """The dispatcher (torchtpu.dispatch) registers itself: fn(func, args,
-    kwargs) runs every aten op on a tpu tensor."""
-    global _dispatch
-    _dispatch = fn
+    kwargs) runs every aten op on a tpu tensor, and download(t, reason)
+    reads one's values into a CPU tensor (printing names its reason)."""
+    global _dispatch, _download
+    _dispatch, _download = fn, download
 
 
 def wrap(array, dtype=None, device=0):

@@ -22,7 +22,7 @@ from .transfers import _copy_
 
 # Every op on a tpu tensor comes here, once the handler modules above have
 # filled SPECIAL.
-tensor.set_dispatcher(dispatch)
+tensor.set_dispatcher(dispatch, download)
 
 __all__ = ["dispatch", "plan_of", "resize", "copy_into", "cpu_fallback", "device_array", "download",
            "to_tpu", "SPECIAL", "OUT_VIA_FUNCTIONAL", "dynamic_shapes", "growth", "rewrites", "transfers",

@@ -529,7 +529,6 @@ def cpu_fallback(plan, args, kwargs):
         _warned_fallback.add(name)
         warnings.warn(f"torchtpu: {name} has no tpu lowering; running it on CPU "
                       "(counted in torchtpu.metrics cpu_fallbacks)", stacklevel=4)
-    modes.note_sync("cpu_fallback")
     moved = {}
     device = first_device(args, kwargs)  # where the results go
 
@@ -538,7 +537,7 @@ def cpu_fallback(plan, args, kwargs):
             if x._storage.device != device:
                 raise _device_mismatch(device, x.device)
             if id(x) not in moved:
-                moved[id(x)] = (x, download(x))
+                moved[id(x)] = (x, download(x, "cpu_fallback"))
             return moved[id(x)][1]
         if isinstance(x, torch.Tensor) and x.dim() > 0 and not cpu_ok:
             # The CPU op would accept it; a tpu op must not (as with CUDA).

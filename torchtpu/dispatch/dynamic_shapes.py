@@ -3,7 +3,6 @@ masked_select, unique, bincount and pack_padded_sequence. Each reads that
 size back (one scalar, as CUDA does), then runs fixed-shape kernels."""
 import torch
 
-from .. import modes
 from ..ops.indexing import is_mask
 from ..tensor import TpuTensor
 from .core import _run_accepted, cpu_fallback, dispatch, plan_of
@@ -23,8 +22,7 @@ def _is_mask(t):
 
 
 def _nonzero(x):
-    modes.note_sync("nonzero")
-    n = download(dispatch(aten.count_nonzero.default, (x,), {})).item()
+    n = download(dispatch(aten.count_nonzero.default, (x,), {}), "nonzero").item()
     return dispatch(aten.nonzero_static.default, (x,), {"size": n})
 
 
@@ -110,8 +108,7 @@ def _bincount(x, weights=None, minlength=0):
         return cpu_fallback(plan_of(aten.bincount.default), (x, weights, minlength), {})  # its error
     size = minlength
     if x.numel():
-        modes.note_sync("bincount")
-        low, high = download(torch.stack(torch.aminmax(x))).tolist()
+        low, high = download(torch.stack(torch.aminmax(x)), "bincount").tolist()
         if low < 0:
             raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
         size = max(size, high + 1)

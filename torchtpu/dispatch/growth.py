@@ -64,7 +64,7 @@ def _pad(t, axis, length):
 def _grown_tensor(grown, axis, extent, dtype, exact=None):
     shape = list(grown.shape)
     shape[axis] = extent
-    return whole_tensor(GrownStorage(grown, axis, extent, exact), tuple(shape), dtype)
+    return whole_tensor(GrownStorage(grown, axis, extent, _cut, exact), tuple(shape), dtype)
 
 
 def _joinable(first, others, axis):
@@ -157,6 +157,5 @@ def _cut(storage, reader="a read"):
     return dispatch(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})._storage.array
 
 
-GrownStorage.cut = _cut
 SPECIAL[aten.cat.default] = _cat
 SPECIAL[torch.ops.torchtpu.attention.default] = _attention

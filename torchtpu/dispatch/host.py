@@ -3,7 +3,7 @@ concrete array (waiting for its executor) and its download."""
 import functools
 import math
 
-from .. import advisor, cache, metrics, modes, runtime
+from .. import cache, modes, runtime
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, View, Window, grown_view, read_view, read_view_at
 
 
@@ -25,20 +25,21 @@ def _reader_at(view):
     return cache.jit(lambda arr, offset: read_view_at(arr, view, offset), name="tpu_read_view")
 
 
-def device_array(t):
-    """The concrete JAX array of t's values (in t's shape), syncing if needed."""
+def device_array(t, reason="read"):
+    """The concrete JAX array of t's values (in t's shape), syncing if
+    needed; reason names why (fused mode reports it per flush)."""
     storage = t._storage
     if type(storage) is GrownStorage and t._view is not None and storage.grown is not None:
         # A view of a grown storage (ids[:, -1]): read from its padded array.
         found = grown_view(t)
         if found is not None:
-            return _reader_at(found[0])(_concrete(storage.grown._storage), found[1])
-    return _viewed(_concrete(storage), t._view)
+            return _reader_at(found[0])(_concrete(storage.grown._storage, reason), found[1])
+    return _viewed(_concrete(storage, reason), t._view)
 
 
-def _concrete(storage):
+def _concrete(storage, reason):
     """storage's array, waiting for its executor; a lost value raises."""
-    arr = modes.current().concrete(storage)
+    arr = modes.current().concrete(storage, reason)
     if type(arr) is Lost:
         arr.fail()
     return arr
@@ -60,33 +61,31 @@ def _viewed(arr, view):
 _HOST_VIEW_MAX_BYTES = 1 << 20
 
 
-def _host_array(t):
+def _host_array(t, reason):
     """t's values as a CPU tensor; a whole grown storage not yet cut (a
     generate() call's token ids) is cut on the host: no kernel per length."""
     storage = t._storage
     if (type(storage) is GrownStorage and t._view is None and storage.grown is not None
             and storage._exact is None):
-        padded = runtime.to_host(device_array(storage.grown), t.dtype)
+        padded = runtime.to_host(device_array(storage.grown, reason), t.dtype)
         return padded.narrow(storage.axis, 0, storage.extent).clone()
     view = t._view
     if type(view) is View and type(storage) is Storage:
-        arr = _concrete(storage)
+        arr = _concrete(storage, reason)
         if arr.size * arr.dtype.itemsize <= _HOST_VIEW_MAX_BYTES or arr.size <= 2 * math.prod(view.shape):
             # The view is taken on the host: no reader kernel to compile
             # for a view downloaded once (printing x[:, 0]).
             whole = runtime.to_host(arr, t.dtype).reshape(-1)
             return whole.as_strided(view.shape, view.stride, view.offset).clone()
         return runtime.to_host(_viewed(arr, view), t.dtype)
-    return runtime.to_host(device_array(t), t.dtype)
+    return runtime.to_host(device_array(t, reason), t.dtype)
 
 
-def download(t):
-    """A TpuTensor -> a new CPU tensor with its values."""
-    metrics.M.syncs += 1
-    runtime.wait_transfers()  # a sync point: pinned sources are free again after it
-    if advisor.ON:
-        return advisor.sync_point(lambda: _host_array(t))
-    return _host_array(t)
+def download(t, reason="read"):
+    """A TpuTensor -> a new CPU tensor with its values: a sync point, for
+    reason ("item", "print", ...)."""
+    runtime.wait_transfers()  # pinned sources are free again after a sync
+    return modes.sync_point(reason, lambda reason: _host_array(t, reason))
 
 
 def host_values(t):

@@ -308,10 +308,10 @@ def _build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, 
             _drop_out_args(plan, args, kwargs)
         if plan.random:
             kwargs["key"] = rng.key_from(next(scalars), next(scalars))
-        ctx.out = out_meta[0] if out_meta is not None else None
-        ctx.contiguous = [_spec_contiguous(s) for s in pos_specs]
         flag = bounds.device_flag(bound, args, kwargs, flat[n_storages]) if bound is not None else None
-        result = lowering(*args, **kwargs)
+        with ctx.tracing(out_meta[0] if out_meta is not None else None,
+                         [_spec_contiguous(s) for s in pos_specs]):
+            result = lowering(*args, **kwargs)
         leaves = []
         template = _flatten(result, leaves)
         if out_dtypes is not None and len(out_dtypes) == len(leaves):

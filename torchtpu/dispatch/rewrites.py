@@ -7,7 +7,6 @@ import math
 
 import torch
 
-from .. import modes
 from .core import _run_lowered, dispatch, plan_of
 from .host import download
 from .plans import SPECIAL
@@ -87,8 +86,7 @@ SPECIAL.update({op: _into(functional) for op, functional in OUT_VIA_FUNCTIONAL.i
 def _linalg_check_errors(info, api_name, *, is_matrix):
     # LAPACK's info decides whether linalg.inv & co. raise: read it back, as
     # CUDA does, and let PyTorch's own check word the error.
-    modes.note_sync("linalg_check")
-    aten._linalg_check_errors.default(download(info), api_name, is_matrix=is_matrix)
+    aten._linalg_check_errors.default(download(info, "linalg_check"), api_name, is_matrix=is_matrix)
 
 
 SPECIAL[aten._linalg_check_errors.default] = _linalg_check_errors

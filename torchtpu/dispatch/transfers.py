@@ -42,14 +42,12 @@ def _copy_(dst, src, non_blocking=False):
 def to_device(x, index):
     """A copy of tpu tensor x on tpu:index, copied device to device (in fused
     mode x's value is computed first: a sync point)."""
-    modes.note_sync("device_copy")
-    arr = jax.device_put(device_array(x), runtime.DEVICES[index])
+    arr = jax.device_put(device_array(x, "device_copy"), runtime.DEVICES[index])
     return TpuTensor(Storage(arr, index), tuple(x.shape), x.dtype)
 
 
 def _local_scalar_dense(x):
-    modes.note_sync("item")
-    return download(x).item()
+    return download(x, "item").item()
 
 
 def _copy_from(src, dst, non_blocking=False):
@@ -85,8 +83,7 @@ SPECIAL.update({
 def _to_copy_handler(x, **kwargs):
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
-        modes.note_sync("cpu")
-        out = download(x)
+        out = download(x, "cpu")
         dtype = kwargs.get("dtype")
         return out.to(dtype) if dtype is not None else out
     if device is not None and torch.device(device).type == "meta":

@@ -1,15 +1,16 @@
 """The eager modes: debug, strict, fused. Same interface, different timing.
 
 An executor has run(kernel, flat, call) -> (outputs, new storage arrays),
-concrete(storage) -> the storage's concrete array (waiting as needed) and
-sync() -> wait for all issued work; and what other layers may ask of it:
+concrete(storage, reason) -> the storage's concrete array (waiting as
+needed) and sync(reason) -> wait for all issued work, where reason names
+why ("item", "print", ...: fused mode reports it per flush); and what other
+layers may ask of it:
 records, fuses and waits_each_op (modes/strict.py says what each means).
 Fused mode also has flush(reason) and record_collective(...).
 """
 import contextlib
 
-from .. import config, metrics
-from ..metrics import note_sync  # noqa: F401  (callers name sync reasons through modes)
+from .. import advisor, config, metrics
 
 MODES = ("debug", "strict", "fused")
 _executors = {}
@@ -48,8 +49,7 @@ def set_eager_mode(name):
     _check(name)
     try:
         if _current is not None and _current.name != name:
-            note_sync("mode_switch")
-            _current.sync()
+            sync_point("mode_switch", _current.sync)
     finally:
         # Switched even when the sync raises (an out-of-range index found then).
         _current = _executor(name)
@@ -96,11 +96,19 @@ def forget_flush_sites():
             forget()
 
 
-def sync():
-    """Wait for all pending work."""
+def sync_point(reason, wait):
+    """wait(reason): a read of device values on the host or a wait for all
+    issued work, counted once as a sync (torchtpu.metrics) and, with the
+    debug advisor on, noted at the user's line with its reason and wait."""
     metrics.M.syncs += 1
-    note_sync("sync")
-    _current.sync()
+    if advisor.ON:
+        return advisor.timed_sync(reason, lambda: wait(reason))
+    return wait(reason)
+
+
+def sync(reason="sync"):
+    """Wait for all pending work."""
+    sync_point(reason, _current.sync)
 
 
 set_eager_mode(_check(config.EAGER_MODE.text().lower()))

@@ -25,7 +25,7 @@ import sys
 
 import jax.numpy as jnp
 
-from .. import bounds, errors, metrics, runtime
+from .. import bounds, errors, runtime
 from . import checks as value_checks
 from ..ops import random as rng
 from ..tensor import Lost, Pending, Storage
@@ -85,12 +85,10 @@ class CaptureExecutor(FusedExecutor):
             self.failed = error
         raise error
 
-    def concrete(self, storage):
-        metrics.take_sync_reason(None)
+    def concrete(self, storage, reason="read"):
         self._fail(_sync_error("reading a tensor's value on the host"))
 
-    def sync(self):
-        reason = metrics.take_sync_reason("sync")
+    def sync(self, reason="sync"):
         self._fail(_sync_error(f"a sync ({reason})"))
 
     def flush(self, reason):

@@ -236,8 +236,7 @@ class FusedExecutor(StrictExecutor):
             return owner.array
         return x
 
-    def concrete(self, storage):
-        reason = metrics.take_sync_reason("read")
+    def concrete(self, storage, reason="read"):
         if type(storage.array) is Pending:
             value = self._side_value(storage)
             if value is not None:
@@ -289,9 +288,9 @@ class FusedExecutor(StrictExecutor):
         g.side_values[ref] = values[0]
         return values[0]
 
-    def sync(self):
-        self.flush(metrics.take_sync_reason("sync"))
-        super().sync()
+    def sync(self, reason="sync"):
+        self.flush(reason)
+        super().sync(reason)
 
     # -- flushing ----------------------------------------------------------
     def flush(self, reason):

@@ -2,7 +2,7 @@
 ahead until a value is needed."""
 import jax
 
-from .. import bounds, metrics
+from .. import bounds
 from . import checks
 
 
@@ -28,13 +28,11 @@ class StrictExecutor:
         op's; to_host reads a tpu tensor's values on the host."""
         return checks.nan_checked_run(self, kernel, flat, storages)
 
-    def concrete(self, storage):
-        metrics.take_sync_reason(None)
+    def concrete(self, storage, reason="read"):
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
-    def sync(self):
-        metrics.take_sync_reason(None)
+    def sync(self, reason="sync"):
         if self._last is not None:
             jax.block_until_ready(self._last)
             self._last = None

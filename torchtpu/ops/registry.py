@@ -1,6 +1,7 @@
 """The lowering registry: LOWERINGS maps an aten overload to its JAX
 function, filled by the @lower decorator of each family module, and ctx
 tells the lowering being traced what PyTorch's meta kernel returns."""
+import contextlib
 import threading
 
 import torch
@@ -50,9 +51,21 @@ class TraceContext(threading.local):
     (shape, torch dtype) for its tensor outputs, or None if unknown.
     contiguous: per positional argument, whether that tensor is contiguous
     (None for non-tensors); some CPU kernels pick their algorithm by it and
-    their backward formulas rely on that choice (linalg's LU of A^T)."""
+    their backward formulas rely on that choice (linalg's LU of A^T).
+    Set only by tracing(), for the one lowering being traced."""
     out = None
     contiguous = ()
+
+    @contextlib.contextmanager
+    def tracing(self, out, contiguous):
+        """Trace one lowering with out and contiguous set, then restore
+        what was set before (a lowering that traces another op inside)."""
+        before = self.out, self.contiguous
+        self.out, self.contiguous = out, contiguous
+        try:
+            yield
+        finally:
+            self.out, self.contiguous = before
 
 
 ctx = TraceContext()
