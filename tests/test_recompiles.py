@@ -245,7 +245,10 @@ def test_tiered_graph_whose_compile_fails_runs_op_by_op(tiered, monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tiered()
-        losses, params = _mlp_training("tpu", 6)
+        # Each step waits for the compile thread (which runs at a lower
+        # priority, so on a loaded machine it could lag all six steps): the
+        # failure is known by the graph's next flush.
+        losses, params = _mlp_training("tpu", 6, lambda step: torchtpu.wait_for_compiles())
     failed = [w for w in caught if "failed to compile" in str(w.message)]
     assert failed and "XLA ran out of something" in str(failed[0].message)
     assert STATS.graph_cache_hits >= 2  # later flushes: op by op, without warning again

@@ -57,11 +57,10 @@ def note_fallback(op):
         S.fallback_lines[op] = errors.user_line(sys._getframe(1))
 
 
-def note_new_kernel(op, specs=()):
+def note_new_kernel(op, shape=None):
     """A new kernel was built for op (a cache miss: new shapes/arguments);
-    specs: its arguments' specs, whose tensor shapes say which dim churns."""
+    shape: its first whole tensor argument's, which says which dim churns."""
     n = S.kernels[op] = S.kernels[op] + 1
-    shape = next((s[3] for s in specs if s and s[0] in ("t", "d") and s[4] is None), None)
     if shape is not None and n <= CHURN_KERNELS:
         S.churn_shapes[op].append(shape)
     if n == CHURN_KERNELS:

@@ -27,13 +27,15 @@ and NaN/Inf checks being on.
 """
 import copy
 import sys
+import typing
 
 import jax
 import jax.numpy as jnp
 import torch
 
 from . import bounds, cache, errors, modes
-from .dispatch.kernels import Kernel, _physical_order
+from .dispatch.build import Kernel, physical_order
+from .dispatch.keys import Const
 from .modes import checks
 from .modes.strict import StrictExecutor
 from .tensor import Lost, Pending, Storage, TpuTensor, read_view, view_tensor, whole_tensor
@@ -51,6 +53,39 @@ def _fallback_reason(gm):
         if torch.Tag.nondeterministic_seeded in node.target.tags:
             return f"random op {node.target}"
     return None
+
+
+class Computed(typing.NamedTuple):
+    """An output the kernel computes, in the next of its output arrays:
+    a tensor of dtype, contiguous (layout None) or (shape, strides) over
+    that array, which holds it in its memory order."""
+    dtype: torch.dtype
+    layout: object
+
+
+class ReturnedInput(typing.NamedTuple):
+    """An output that is an input returned as it came: a view (shape,
+    strides, offset, key) of the call's storage at slot."""
+    slot: int
+    shape: tuple
+    stride: tuple
+    offset: int
+    key: tuple
+
+
+class SameAs(typing.NamedTuple):
+    """An output that is the same tensor as output `index`."""
+    index: int
+
+
+class Constant(typing.NamedTuple):
+    """An output that is not a tensor: value itself."""
+    value: object
+
+
+class Made(typing.NamedTuple):
+    """In a replay, the storage of the call's `index`-th computed output."""
+    index: int
 
 
 class _Traced:
@@ -73,10 +108,7 @@ class _Traced:
         # entries, each naming its line); the kernel's last input and last
         # output are then the device's running flag.
         self.checks = checks
-        # per output: ("t", dtype, None or its (shape, strides) over a
-        # permuted storage array), ("a", slot, (shape, strides, offset,
-        # key)) for an input returned as it came, ("d", j, None) for the
-        # same value as output j, or ("c", value, None)
+        # per output: a Computed, ReturnedInput, SameAs or Constant
         self.outputs = outputs
 
     def donating(self):
@@ -100,7 +132,7 @@ def _call_key(args):
             parts.append((slot, a._key, a.requires_grad))
         else:
             slots.append(None)
-            parts.append(("c", type(a), a))
+            parts.append(Const(a, type(a)))
     return tuple(parts), list(storages), slots
 
 
@@ -164,28 +196,28 @@ def _trace(gm, args, slots, n_storages, device, name):
                 # An input returned as it came (a parameter or the batch saved
                 # for backward): the result views the input's array, which
                 # the computation need not copy into a new buffer.
-                outputs.append(("a", slot, (tuple(r.shape), tuple(r.stride()),
-                                            r.storage_offset(), r._key)))
+                outputs.append(ReturnedInput(slot, tuple(r.shape), tuple(r.stride()),
+                                             r.storage_offset(), r._key))
             elif type(r) is TpuTensor:
                 value = read_view(r._storage.array, r._view)
-                order = _physical_order(meta) if isinstance(meta, torch.Tensor) else None
+                order = physical_order(meta) if isinstance(meta, torch.Tensor) else None
                 if order is None:
-                    outputs.append(("t", r.dtype, None))
+                    outputs.append(Computed(r.dtype, None))
                 else:
                     value = jnp.transpose(value, order)
-                    outputs.append(("t", r.dtype, (tuple(r.shape), tuple(meta.stride()))))
+                    outputs.append(Computed(r.dtype, (tuple(r.shape), tuple(meta.stride()))))
                 earlier = returned_at.get(id(value))
                 if earlier is not None and outputs[earlier] == outputs[-1]:
                     # The same value returned twice (an activation and its
                     # alias): one output, which XLA need not copy.
-                    outputs[-1] = ("d", earlier, None)
+                    outputs[-1] = SameAs(earlier)
                 else:
                     returned_at[id(value)] = len(outputs) - 1
                     outs.append(value)
             elif isinstance(r, torch.Tensor):
                 raise _Unservable(f"a {r.device} tensor output")
             else:
-                outputs.append(("c", r, None))
+                outputs.append(Constant(r))
         written.clear()
         new = []
         for slot, (st, array) in enumerate(zip(storages, arrays)):
@@ -339,7 +371,7 @@ _FLAG = -1  # the device's running bounds flag, in a capture's storages
 class _Replay:
     """The capture of one kind of call, and where each storage it reads and
     writes is found in a call: slot k of the call's storages (k >= 0), the
-    bounds flag (_FLAG), or the call's j-th tensor result (("r", j))."""
+    bounds flag (_FLAG), or the call's j-th tensor result (Made(j))."""
     __slots__ = ("graph", "inputs", "outputs", "n_results")
 
     def __init__(self, graph, inputs, outputs, n_results):
@@ -361,16 +393,16 @@ def _capture(traced, storages):
         g._abort(e)
         raise
     # Only the computed outputs: a replay makes the others from them.
-    tensors = [r for r, (kind, _, _) in zip(results, traced.outputs) if kind == "t"]
+    tensors = [r for r, out in zip(results, traced.outputs) if type(out) is Computed]
     del results
     g.capture_end()
     slot_of = {id(st): k for k, st in enumerate(storages)}
     slot_of[id(bounds.flag_input(False, traced.kernel.device))] = _FLAG
-    result_of = {id(r._storage): ("r", j) for j, r in enumerate(tensors)}
+    result_of = {id(r._storage): Made(j) for j, r in enumerate(tensors)}
     captured = g.captured
     inputs = [slot_of.get(id(st)) for st in captured.inputs]
     outputs = [slot_of.get(id(st), result_of.get(id(st))) for st in captured.outputs]
-    made = {o for o in outputs if type(o) is tuple}
+    made = {o for o in outputs if type(o) is Made}
     if None in inputs or None in outputs or len(made) != len(tensors):
         return False
     return _Replay(g, inputs, outputs, len(tensors))
@@ -392,8 +424,8 @@ def _replayed(traced, storages):
     made = [Storage(None, device) for _ in range(rep.n_results)]
 
     def storage(place):
-        if type(place) is tuple:
-            return made[place[1]]
+        if type(place) is Made:
+            return made[place.index]
         return storages[place] if place >= 0 else flag
     rep.graph.replay_over([storage(p) for p in rep.inputs], [storage(p) for p in rep.outputs])
     ex = modes.current()
@@ -440,22 +472,22 @@ def _results(traced, storages, inputs):
     output, in order, holding the arrays the kernel returned). inputs: the
     call's storages."""
     results, it = [], iter(storages)
-    for kind, value, layout in traced.outputs:
-        if kind == "a":
-            shape, stride, offset, key = layout
-            results.append(_alias(inputs[value], shape, stride, offset, key))
-        elif kind == "d":
-            t = results[value]
+    for out in traced.outputs:
+        kind = type(out)
+        if kind is ReturnedInput:
+            results.append(_alias(inputs[out.slot], out.shape, out.stride, out.offset, out.key))
+        elif kind is SameAs:
+            t = results[out.index]
             results.append(_alias(t._storage, tuple(t.shape), t.stride(), t.storage_offset(),
                                   t._key))
-        elif kind != "t":
-            results.append(value)
-        elif layout is None:
+        elif kind is Constant:
+            results.append(out.value)
+        elif out.layout is None:
             st = next(it)
-            results.append(whole_tensor(st, tuple(st.array.shape), value))
+            results.append(whole_tensor(st, tuple(st.array.shape), out.dtype))
         else:
-            shape, strides = layout
-            results.append(TpuTensor(next(it), shape, value, strides))
+            shape, strides = out.layout
+            results.append(TpuTensor(next(it), shape, out.dtype, strides))
     return results
 
 

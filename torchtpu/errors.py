@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover
     _JAX = (_dir(jax),)
 _SKIP = (_dir(torch), os.path.dirname(os.path.abspath(__file__)) + os.sep) + _JAX
 _OPS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops") + os.sep
-_KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch", "kernels.py")
+_KERNEL_BUILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch", "build.py")
 _TRACER_ERRORS = tuple(getattr(jax.errors, n) for n in (
     "ConcretizationTypeError", "TracerBoolConversionError",
     "TracerIntegerConversionError", "TracerArrayConversionError") if hasattr(jax.errors, n))
@@ -143,7 +143,7 @@ def _origin(tb):
     in_jax = in_lowering = False
     for frame in _frames(tb):
         name = frame.f_code.co_filename
-        if name.startswith(_OPS_DIR) or (name == _KERNELS and frame.f_code.co_name == "fn"):
+        if name.startswith(_OPS_DIR) or (name == _KERNEL_BUILD and frame.f_code.co_name == "fn"):
             in_lowering = True  # inside a lowering, or the kernel tracing it
         elif name.startswith(_JAX):
             in_jax = True

@@ -75,45 +75,9 @@ def _kernel_differences(a, b):
     return out
 
 
-def _tensor_facts(spec):
-    """(dtype, shape, layout) of a tensor spec ("t" or "d")."""
-    view = spec[4]
-    if view is None:
-        return spec[2], list(spec[3]), "contiguous"
-    offset = getattr(view, "offset", None)  # (a Window's is fed at run time)
-    layout = f"strides {list(view.stride)}" + (f" offset {offset}" if offset is not None else "")
-    return spec[2], list(view.shape), layout
-
-
 def _spec_differences(x, y):
-    if x == y:
-        return []
-    tensors = ("t", "d")
-    if x[0] in tensors and y[0] in tensors:
-        (dx, sx, lx), (dy, sy, ly) = _tensor_facts(x), _tensor_facts(y)
-        out = []
-        if dx != dy:
-            out.append(f"dtype {errors._short_dtype(dx)} -> {errors._short_dtype(dy)}")
-        if sx != sy:
-            out.append(f"shape {sx} -> {sy}")
-        elif lx != ly:
-            out.append(f"layout {lx} -> {ly}")
-        if x[5] != y[5]:
-            out.append(f"device tpu:{x[5]} -> tpu:{y[5]}")
-        return out or ["its storage's shape"]
-    if x[0] == "l" and y[0] == "l":
-        if len(x[1]) != len(y[1]):
-            return [f"a list of {len(x[1])} -> {len(y[1])}"]
-        return [f"item {j}: {d}" for j, (a, b) in enumerate(zip(x[1], y[1]))
-                for d in _spec_differences(a, b)]
-    if x[0] == "c" and y[0] == "c":
-        return [f"static value {x[1]!r} -> {y[1]!r}"]
-    return [f"{_kind(x)} -> {_kind(y)}"]
-
-
-def _kind(spec):
-    return {"t": "a tensor", "d": "a tensor", "l": "a list", "s": "a scalar"}.get(
-        spec[0], f"the static value {spec[1]!r}")
+    # (The dispatcher's argument records name what differs between them.)
+    return [] if x == y else x.differences(y)
 
 
 # ---- fused graphs ----------------------------------------------------------

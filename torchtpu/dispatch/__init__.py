@@ -15,14 +15,14 @@
 from .. import tensor
 from . import dynamic_shapes, growth, rewrites, transfers
 from .core import copy_into, cpu_fallback, dispatch, plan_of, resize
-from .host import device_array, download, to_tpu
+from .host import device_array, download, to_tpu, user_download
 from .plans import SPECIAL
 from .rewrites import OUT_VIA_FUNCTIONAL
 from .transfers import _copy_
 
 # Every op on a tpu tensor comes here, once the handler modules above have
 # filled SPECIAL.
-tensor.set_dispatcher(dispatch, download)
+tensor.set_dispatcher(dispatch, user_download)
 
 __all__ = ["dispatch", "plan_of", "resize", "copy_into", "cpu_fallback", "device_array", "download",
            "to_tpu", "SPECIAL", "OUT_VIA_FUNCTIONAL", "dynamic_shapes", "growth", "rewrites", "transfers",

@@ -24,9 +24,10 @@ from ..ops import random as rng
 from ..tensor import (DtypeView, GrownStorage, Lost, Storage, TpuTensor, check_in_storage, contiguous_strides,
                       make_view, storage_dtype, view_tensor, whole_tensor)
 from .host import download, host_values, to_tpu
-from .kernels import (_Call, _build_kernel, _device_mismatch, _drop_out_args, _flatten, _meta,
-                      _physical_order, _run_meta, _spec, _unflatten, first_device, grown_readable,
-                      kernel_device, meta_outcome, offsets_fed, written_checked)
+from .build import KernelEntry, build_kernel, drop_out_args, physical_order
+from .keys import (Call, TensorArg, arg_spec, device_mismatch, first_device, grown_readable,
+                   kernel_device, offsets_fed, record, whole_shape)
+from .meta import flatten, meta_like, meta_outcome, run_meta, unflatten, written_checked
 from .plans import _INDICES, SPECIAL, Plan
 
 from ..compat import aten
@@ -130,7 +131,7 @@ def _lost_results(func, args, kwargs, error):
     too; None when PyTorch's meta kernel cannot give the shapes."""
     try:
         plan = plan_of(func)
-        meta = _run_meta(func, args, kwargs)
+        meta = run_meta(func, args, kwargs)
     except Exception:
         return None
     if meta is None:
@@ -147,7 +148,7 @@ def _lost_results(func, args, kwargs, error):
         return _mutation_result(plan, args, kwargs, [])
     leaves, template = meta
     device = first_device(args, kwargs)
-    return _unflatten(template, [
+    return unflatten(template, [
         TpuTensor(Storage(Lost(error, tuple(m.shape), runtime.jax_dtype(m.dtype)), device),
                   tuple(m.shape), m.dtype) for m in leaves])
 
@@ -162,7 +163,7 @@ def _run_accepted(plan, args, kwargs):
 def _run_lowered(plan, args, kwargs):
     storages, arrays, slots = [], [], {}
     call = None  # made for the first argument that is not a tpu tensor
-    # _spec, with its common case (a tpu tensor) inline: this loop runs for
+    # arg_spec, with its common case (a tpu tensor) inline: this loop runs for
     # every argument of every op.
     pos_specs = []
     for a, f in zip(args, plan.pos_flags):
@@ -183,9 +184,9 @@ def _run_lowered(plan, args, kwargs):
                     # The read itself: from the padded array, at a run-time
                     # offset (or, where no offset says it, the exact array).
                     if call is None:
-                        call = _Call(storages, arrays, slots, (args, kwargs),
+                        call = Call(storages, arrays, slots, (args, kwargs),
                                      plan.kind != "mutate")
-                    pos_specs.append(_spec(call, a, f))
+                    pos_specs.append(arg_spec(call, a, f))
                     continue
             slot = slots.get(storage)
             if slot is None:
@@ -193,16 +194,16 @@ def _run_lowered(plan, args, kwargs):
                 storages.append(storage)
                 arrays.append(storage.array if type(storage) is not GrownStorage
                               else storage.read_by(plan.name))
-            pos_specs.append(("t", slot) + a._key)
+            pos_specs.append(record(TensorArg, (slot,) + a._key))
         else:
             if call is None:
-                call = _Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
-            pos_specs.append(_spec(call, a, f))
+                call = Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
+            pos_specs.append(arg_spec(call, a, f))
     pos_specs = tuple(pos_specs)
     if kwargs:
         if call is None:
-            call = _Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
-        kw_specs = tuple([(k, _spec(call, v, plan.tensorish.get(k, False)))
+            call = Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
+        kw_specs = tuple([(k, arg_spec(call, v, plan.tensorish.get(k, False)))
                           for k, v in kwargs.items()])
     else:
         kw_specs = ()
@@ -229,10 +230,10 @@ def _run_lowered(plan, args, kwargs):
                 # An out= tensor was resized: its key part changed.
                 return _run_lowered(plan, args, kwargs)
             # The functional variant's outputs decide the dtypes to cast to.
-            out_meta = meta_outcome(plan, pos_specs, kw_specs, lambda: _run_meta(
+            out_meta = meta_outcome(plan, pos_specs, kw_specs, lambda: run_meta(
                 plan.functional, *_functional_args(plan, args, kwargs)))
         else:
-            out_meta = meta_outcome(plan, pos_specs, kw_specs, lambda: _run_meta(
+            out_meta = meta_outcome(plan, pos_specs, kw_specs, lambda: run_meta(
                 plan.func, args, kwargs, getattr(plan.lowering, "meta_contiguous", False)))
         fix = getattr(plan.lowering, "result_dtypes", None)
         if fix is not None and out_meta is not None:
@@ -244,13 +245,13 @@ def _run_lowered(plan, args, kwargs):
         out_tdtypes = tuple(m.dtype for m in out_meta[0]) if out_meta is not None else None
         orders = None
         if out_meta is not None and getattr(plan.lowering, "keeps_strides", False):
-            orders = [_physical_order(m) for m in out_meta[0]]
+            orders = [physical_order(m) for m in out_meta[0]]
             orders = orders if any(orders) else None
-        entry = cache.store(key, (_build_kernel(plan, pos_specs, kw_specs, len(storages), out_meta,
-                                                orders, device),
-                                  out_meta, out_tdtypes, orders))
-        advisor.note_new_kernel(plan.name, pos_specs)
-    kernel, out_meta, out_tdtypes, orders = entry
+        entry = cache.store(key, KernelEntry(build_kernel(plan, pos_specs, kw_specs, len(storages),
+                                                          out_meta, orders, device),
+                                             out_meta, out_tdtypes, orders))
+        advisor.note_new_kernel(plan.name, whole_shape(pos_specs))
+    kernel, _, out_dtypes, orders = entry
     metrics.M.ops_dispatched += 1
     flat = arrays
     ex = modes.current()
@@ -270,17 +271,17 @@ def _run_lowered(plan, args, kwargs):
         outs, new_storages = ex.run(kernel, flat, storages)
     if kernel.bound is not None or bounds.tainted:
         return _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs)
-    if plan.kind != "mutate" and kernel.out_tree is ... and orders is None and out_tdtypes is not None:
+    if plan.kind != "mutate" and kernel.out_tree is ... and orders is None and out_dtypes is not None:
         # The common case, one plain result, without the general wrapping.
         o = outs[0]
-        return whole_tensor(Storage(o, kernel.device), o.shape, out_tdtypes[0])
+        return whole_tensor(Storage(o, kernel.device), o.shape, out_dtypes[0])
     return _results(plan, entry, outs, new_storages, storages, args, kwargs)
 
 
 def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
     """The rest of _run_lowered for an op with an index-bounds flag, or while
     flags are unread (torchtpu.bounds tracks what depends on them)."""
-    kernel = entry[0]
+    kernel = entry.kernel
     flag = None
     if kernel.bound is not None:
         flag, outs = outs[-1], outs[:-1]
@@ -289,7 +290,7 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
         produced = (result._storage,)
     else:
         leaves = []
-        _flatten(result, leaves)
+        flatten(result, leaves)
         produced = [storages[slot] for slot in kernel.written_slots]
         produced += [t._storage for t in leaves if type(t) is TpuTensor]
     if flag is None:
@@ -301,7 +302,7 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
 
 def _results(plan, entry, outs, new_storages, storages, args, kwargs):
     """An op's results as tensors, its written arguments updated."""
-    kernel, out_meta, out_tdtypes, orders = entry
+    kernel, out_tdtypes, orders = entry.kernel, entry.out_dtypes, entry.orders
     if plan.kind == "mutate":
         for slot, arr in zip(kernel.written_slots, new_storages):
             storages[slot].assign(arr)
@@ -311,20 +312,20 @@ def _results(plan, entry, outs, new_storages, storages, args, kwargs):
     device = kernel.device
     if orders is not None:
         wrapped = [TpuTensor(Storage(o, device), m.shape, d, None if p is None else m.stride())
-                   for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]
+                   for o, m, d, p in zip(outs, entry.out_meta[0], out_tdtypes, orders)]
     elif out_tdtypes is not None:
         wrapped = [TpuTensor(Storage(o, device), o.shape, d) for o, d in zip(outs, out_tdtypes)]
     else:
         wrapped = [TpuTensor(Storage(o, device), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
     if plan.kind == "mutate":
         return _mutation_result(plan, args, kwargs, wrapped)
-    return _unflatten(kernel.out_tree, wrapped)
+    return unflatten(kernel.out_tree, wrapped)
 
 
 def _functional_args(plan, args, kwargs):
     args = list(args)
     kwargs = dict(kwargs)
-    _drop_out_args(plan, args, kwargs)
+    drop_out_args(plan, args, kwargs)
     # Defaults the mutating op has and its functional variant lacks
     # (bernoulli_.float's p=0.5; bernoulli.p requires p).
     mine = {a.name: a for a in plan.func._schema.arguments}
@@ -341,8 +342,8 @@ def _check_written(plan, args, kwargs):
     result casting) on meta tensors, and resize out= tensors whose shape is
     not the result's, as CPU does (its warning for a non-empty one comes
     from the meta kernel). Returns whether any tensor was resized."""
-    margs = [_meta(a) for a in args]
-    mkwargs = {k: _meta(v) for k, v in kwargs.items()}
+    margs = [meta_like(a) for a in args]
+    mkwargs = {k: meta_like(v) for k, v in kwargs.items()}
     try:
         plan.func(*margs, **mkwargs)
     except NotImplementedError:
@@ -438,7 +439,7 @@ def _run_view(plan, args, kwargs):
             src.shape, src.stride(), src.storage_offset())
         out = plan.func(base, *args[1:], **kwargs)
         leaves = []
-        template = _flatten(out, leaves)
+        template = flatten(out, leaves)
         for m in leaves:
             # (A meta storage does not check that an as_strided view fits.)
             check_in_storage(m.shape, m.stride(), m.storage_offset(), m.element_size(),
@@ -465,7 +466,7 @@ def _run_view(plan, args, kwargs):
 def _views(storage, template, leaves):
     if template is ...:
         return view_tensor(storage, *leaves[0])
-    return _unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])
+    return unflatten(template, [view_tensor(storage, *leaf) for leaf in leaves])
 
 
 def _view_of(m, storage_shape, storage_dtype):
@@ -535,13 +536,13 @@ def cpu_fallback(plan, args, kwargs):
     def to_cpu(x, cpu_ok=False):
         if isinstance(x, TpuTensor):
             if x._storage.device != device:
-                raise _device_mismatch(device, x.device)
+                raise device_mismatch(device, x.device)
             if id(x) not in moved:
                 moved[id(x)] = (x, download(x, "cpu_fallback"))
             return moved[id(x)][1]
         if isinstance(x, torch.Tensor) and x.dim() > 0 and not cpu_ok:
             # The CPU op would accept it; a tpu op must not (as with CUDA).
-            raise _device_mismatch(device, x.device)
+            raise device_mismatch(device, x.device)
         if isinstance(x, (list, tuple)):
             return type(x)(to_cpu(v, cpu_ok) for v in x)
         return x

@@ -13,7 +13,7 @@ until it holds the tensor; zeros past the extent). From then on:
   kernel takes at run time (torchtpu::write_at), into the same bucket, or
   into the next bucket when it is full: one kernel per bucket, not per step;
 - a view of it (`ids[:, -1]`, `ids[:, -1:]`) is read from the padded array
-  at a run-time offset (the dispatcher's "d" specs, dispatch/kernels.py), by
+  at a run-time offset (the dispatcher's FedArg records, dispatch/keys.py), by
   one clone kernel per bucket that every op reading such a view shares (the
   op itself then compiles once, for the view's shape; in fused mode the
   read is folded into the op, as graphs compile per bucket anyway);

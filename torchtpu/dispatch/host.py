@@ -3,7 +3,8 @@ concrete array (waiting for its executor) and its download."""
 import functools
 import math
 
-from .. import cache, modes, runtime
+from .. import cache, errors, modes, runtime
+from ..compat import aten
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, View, Window, grown_view, read_view, read_view_at
 
 
@@ -86,6 +87,15 @@ def download(t, reason="read"):
     reason ("item", "print", ...)."""
     runtime.wait_transfers()  # pinned sources are free again after a sync
     return modes.sync_point(reason, lambda reason: _host_array(t, reason))
+
+
+def user_download(t, reason):
+    """download, for a caller outside the dispatcher (repr): an error is
+    raised as an op's is, PyTorch's type at the user's line."""
+    try:
+        return download(t, reason)
+    except Exception as e:
+        raise errors.user_error(e, aten._to_copy.default, (t,), {"device": "cpu"})
 
 
 def host_values(t):

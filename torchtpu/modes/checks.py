@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import bounds, config, errors
+from .refs import Input, Result
 
 
 # ---- the NaN/Inf switch ----------------------------------------------------------
@@ -80,18 +81,19 @@ def replay_for_nan(g):
     for ni, (kernel, refs) in enumerate(g.nodes):
         args = []
         for r in refs:
-            if r[0] == "p":
-                args.append(values[(r[1], r[2])])
-            elif r[0] == "a":
-                args.append(g.inputs[r[1]])
+            kind = type(r)
+            if kind is Result:
+                args.append(values[r])
+            elif kind is Input:
+                args.append(g.inputs[r.index])
             else:
-                args.append(g.scalars[r[1]])
+                args.append(g.scalars[r.index])
         outs, written = kernel.jitted(*args)
         produced = tuple(outs) + tuple(written)
         if any_nonfinite(produced):
             return ni, kernel.name
         for j, v in enumerate(produced):
-            values[(ni, j)] = v
+            values[Result(ni, j)] = v
     return None
 
 

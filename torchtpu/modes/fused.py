@@ -38,6 +38,7 @@ the ranks' graphs stay alike.
 import collections
 import sys
 import time
+import typing
 import warnings
 import weakref
 
@@ -47,6 +48,7 @@ import torch
 from .. import bounds, cache, config, errors, metrics, recompiles
 from . import checks
 from ..tensor import Lost, Pending
+from .refs import FIRST_RESULTS, Input, Result, Scalar, first_result, record
 from .strict import StrictExecutor
 
 
@@ -111,12 +113,19 @@ class _Graph:
         self.outputs = []     # every Pending the nodes produce
         self.inputs = []      # concrete arrays fed to the graph
         self.input_owners = []  # weak reference to the storage each input came from
-        self.input_refs = {}  # id(array) -> ("a", its index in inputs)
+        self.input_refs = {}  # id(array) -> its Input
         self.scalars = []     # dynamic scalars fed to the graph
         self.device = 0       # the index of the device all its ops run on
         self.side_values = {}  # ref -> the value a side graph computed for a read
         self.collectives = 0   # collective nodes among them
         self.mesh = None       # the devices its collectives span
+
+
+class GraphEntry(typing.NamedTuple):
+    """What the graph cache holds for a graph's key: how it runs, and its
+    kernels (held, so that their ids in the key stay theirs)."""
+    run: object         # run(inputs, scalars) -> the live values
+    kernels: list
 
 
 class _GraphKey:
@@ -176,28 +185,28 @@ class FusedExecutor(StrictExecutor):
             if ref is None:
                 if type(x) is Lost:
                     x.fail()
-                ref = input_refs[id(x)] = ("a", len(g.inputs))
+                ref = input_refs[id(x)] = record(Input, (len(g.inputs),))
                 g.inputs.append(x)
                 g.input_owners.append(weakref.ref(storage))
             refs.append(ref)
         if len(flat) > len(storages):
             for x in flat[len(storages):]:
-                refs.append(("s", len(g.scalars)))
+                refs.append(record(Scalar, (len(g.scalars),)))
                 g.scalars.append(x)
         outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
         g.nodes.append((kernel, tuple(refs)))
         if len(outs_aval) == 1 and not written_aval:
             # Most ops: one result.
             a = outs_aval[0]
-            out = Pending(a.shape, a.dtype, ("p", ni, 0))
+            out = Pending(a.shape, a.dtype, FIRST_RESULTS[ni] if ni < len(FIRST_RESULTS) else first_result(ni))
             g.outputs.append(out)
             return (out,), ()
-        outs = [Pending(a.shape, a.dtype, ("p", ni, j)) for j, a in enumerate(outs_aval)]
+        outs = [Pending(a.shape, a.dtype, Result(ni, j)) for j, a in enumerate(outs_aval)]
         g.outputs += outs
         if not written_aval:
             return outs, ()
         k = len(outs)
-        written = [Pending(a.shape, a.dtype, ("p", ni, k + j)) for j, a in enumerate(written_aval)]
+        written = [Pending(a.shape, a.dtype, Result(ni, k + j)) for j, a in enumerate(written_aval)]
         g.outputs += written
         return outs, written
 
@@ -274,9 +283,9 @@ class FusedExecutor(StrictExecutor):
         entry = cache.lookup(key)
         try:
             if entry is None:
-                entry = cache.store(key, (_build_graph(sub, live_refs), [k for k, _ in sub.nodes]))
+                entry = cache.store(key, GraphEntry(_build_graph(sub, live_refs), [k for k, _ in sub.nodes]))
                 STATS.side_graphs_compiled += 1
-            values = entry[0](sub.inputs, sub.scalars)
+            values = entry.run(sub.inputs, sub.scalars)
         except Exception:
             return None  # the flush runs it, and its op-by-op recovery names the failing op
         STATS.side_reads += 1
@@ -391,7 +400,7 @@ class FusedExecutor(StrictExecutor):
             return _replay(g.nodes, live_refs, g.inputs, g.scalars, _call_jitted, values, job)
         except Exception as e:
             for (p, owner), ref in zip(live, live_refs):
-                value = values.get(ref[1:])
+                value = values.get(ref)
                 owner.array = value if value is not None else Lost(e, p.shape, p.dtype)
             raise
 
@@ -402,7 +411,7 @@ class FusedExecutor(StrictExecutor):
         flushed at site before."""
         if entry is not None:
             STATS.graph_cache_hits += 1
-            run = entry[0]
+            run = entry.run
             job = getattr(run, "job", None)
             if job is None or (job.done and job.error is None):
                 return run, "hit"
@@ -414,7 +423,7 @@ class FusedExecutor(StrictExecutor):
             warnings.warn(f"torchtpu: a fused graph of {len(g.nodes)} ops flushed at {site} failed "
                           f"to compile ({type(job.error).__name__}: {str(job.error)[:200]}); its ops "
                           "run one by one", stacklevel=5)
-            return cache.store(key, (_op_by_op_run(g.nodes, live_refs), entry[1]))[0], "op-by-op"
+            return cache.store(key, GraphEntry(_op_by_op_run(g.nodes, live_refs), entry.kernels)).run, "op-by-op"
         collective = _mesh_jit(g.nodes) is not None
         if churning and not collective:
             # This site's graphs keep changing: run its ops one by one with
@@ -432,7 +441,7 @@ class FusedExecutor(StrictExecutor):
             # for an op-by-op run; a graph holding a collective is compiled
             # and run by every rank.
             STATS.graphs_compiled += 1
-            return cache.store(key, (_build_graph(g, live_refs, donate), kernels))[0], "miss"
+            return cache.store(key, GraphEntry(_build_graph(g, live_refs, donate), kernels)).run, "miss"
         if not met:
             # Met for the first time: op by op, unless an earlier process
             # stored its executable. Only a graph that recurs is worth
@@ -440,11 +449,12 @@ class FusedExecutor(StrictExecutor):
             # would slow the steps after it.
             run = _build_graph(g, live_refs, donate, "stored")
             if run is not None:
-                return cache.store(key, (run, kernels))[0], "hit"
+                return cache.store(key, GraphEntry(run, kernels)).run, "hit"
             STATS.run_first_met += 1
             return _op_by_op_run(g.nodes, live_refs), "first met"
         STATS.graphs_compiled += 1
-        return cache.store(key, (_build_graph(g, live_refs, donate, "background"), kernels))[0], "compiling"
+        return cache.store(key, GraphEntry(_build_graph(g, live_refs, donate, "background"),
+                                           kernels)).run, "compiling"
 
     def forget_sites(self):
         """Forget which graphs earlier flushes brought at each line (the
@@ -484,14 +494,14 @@ def _needed(g, refs, keep=()):
     the nodes in keep takes, in order."""
     nodes = g.nodes
     needed = set(keep)
-    stack = [r[1] for r in refs] + list(keep)
+    stack = [r.node for r in refs] + list(keep)
     while stack:
         ni = stack.pop()
         needed.add(ni)
         for r in nodes[ni][1]:
-            if r[0] == "p" and r[1] not in needed:
-                needed.add(r[1])
-                stack.append(r[1])
+            if type(r) is Result and r.node not in needed:
+                needed.add(r.node)
+                stack.append(r.node)
     return sorted(needed)
 
 
@@ -502,33 +512,33 @@ def _subgraph(g, needed):
     sub = _Graph()
     sub.device = g.device
     at = {}          # g's node index -> the sub-graph's
-    inputs = {}      # ("a", i) or ("s", i) in g -> the sub-graph's ref
+    mine = {Input: {}, Scalar: {}}  # g's Input or Scalar -> the sub-graph's
     renamed = {}
     for ni in needed:
         kernel, refs = g.nodes[ni]
         new = []
         for r in refs:
-            kind = r[0]
-            if kind == "p":
-                new.append(("p", at[r[1]], r[2]))
+            kind = type(r)
+            if kind is Result:
+                new.append(Result(at[r.node], r.index))
                 continue
-            mine = inputs.get(r)
-            if mine is None:
-                if kind == "a":
-                    mine = ("a", len(sub.inputs))
-                    sub.inputs.append(g.inputs[r[1]])
-                    sub.input_owners.append(g.input_owners[r[1]])
+            ref = mine[kind].get(r)
+            if ref is None:
+                if kind is Input:
+                    ref = Input(len(sub.inputs))
+                    sub.inputs.append(g.inputs[r.index])
+                    sub.input_owners.append(g.input_owners[r.index])
                 else:
-                    mine = ("s", len(sub.scalars))
-                    sub.scalars.append(g.scalars[r[1]])
-                inputs[r] = mine
-            new.append(mine)
+                    ref = Scalar(len(sub.scalars))
+                    sub.scalars.append(g.scalars[r.index])
+                mine[kind][r] = ref
+            new.append(ref)
         at[ni] = len(sub.nodes)
         sub.nodes.append((kernel, tuple(new)))
     for p in g.outputs:
-        ni = p.ref[1]
+        ni = p.ref.node
         if ni in at:
-            renamed[p.ref] = ("p", at[ni], p.ref[2])
+            renamed[p.ref] = Result(at[ni], p.ref.index)
     return sub, renamed
 
 
@@ -563,7 +573,7 @@ def _call_jitted(kernel, args):
 
 def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
     """Run the recorded nodes (call(kernel, args) runs one) and return the
-    values of live_refs. values: where (node, output) -> value is kept.
+    values of live_refs. values: where Result -> value is kept.
     until: a background.Job; once it has succeeded, stop and return None."""
     values = {} if values is None else values
     for ni, (kernel, refs) in enumerate(nodes):
@@ -571,17 +581,17 @@ def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
             return None
         args = []
         for r in refs:
-            kind = r[0]
-            if kind == "p":
-                args.append(values[(r[1], r[2])])
-            elif kind == "a":
-                args.append(inputs[r[1]])
+            kind = type(r)
+            if kind is Result:
+                args.append(values[r])
+            elif kind is Input:
+                args.append(inputs[r.index])
             else:
-                args.append(scalars[r[1]])
+                args.append(scalars[r.index])
         outs, written = call(kernel, args)
         for j, v in enumerate(tuple(outs) + tuple(written)):
-            values[(ni, j)] = v
-    return [values[(r[1], r[2])] for r in live_refs]
+            values[Result(ni, j)] = v
+    return [values[r] for r in live_refs]
 
 
 def _op_by_op_run(nodes, live_refs):

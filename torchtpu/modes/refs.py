@@ -1,0 +1,40 @@
+"""What a fused graph's ops read: each argument of a recorded op is the
+result of an earlier op in the graph, one of the graph's input arrays, or one
+of its dynamic scalars. Graph keys hold them, so they compare and hash as
+tuples, in C. An Input and a Scalar of one index are equal tuples: they never
+meet in one key (an op's argument at a given place is always an array or
+always a scalar), and a table holding both keeps them apart by type."""
+import typing
+
+# A record from a tuple, without NamedTuple's Python-level __new__ (fused
+# mode makes one per recorded result).
+record = tuple.__new__
+
+
+class Result(typing.NamedTuple):
+    """Output `index` of the graph's node `node` (written arguments follow
+    its results)."""
+    node: int
+    index: int
+
+
+# Result(n, 0) at index n: most ops have one result, and fused mode records
+# one per op.
+FIRST_RESULTS = []
+
+
+def first_result(node):
+    """Result(node, 0), made once per node index."""
+    if node >= len(FIRST_RESULTS):
+        FIRST_RESULTS.extend(Result(n, 0) for n in range(len(FIRST_RESULTS), 2 * node + 64))
+    return FIRST_RESULTS[node]
+
+
+class Input(typing.NamedTuple):
+    """The graph's input array `index`."""
+    index: int
+
+
+class Scalar(typing.NamedTuple):
+    """The graph's dynamic scalar `index`."""
+    index: int
