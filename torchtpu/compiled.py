@@ -37,6 +37,7 @@ from . import bounds, cache, errors, modes
 from .dispatch.build import Kernel, physical_order
 from .dispatch.keys import Const
 from .modes import checks
+from .ops import precision_setting
 from .modes.strict import StrictExecutor
 from .tensor import Lost, Pending, Storage, TpuTensor, read_view, view_tensor, whole_tensor
 
@@ -123,7 +124,8 @@ class _Traced:
 
 
 def _call_key(args):
-    """The kind of call, and each tensor argument's storage slot."""
+    """The kind of call (its arguments, and the float32 matmul precision its
+    products are traced at), and each tensor argument's storage slot."""
     storages, slots, parts = {}, [], []
     for a in args:
         if type(a) is TpuTensor:
@@ -133,6 +135,7 @@ def _call_key(args):
         else:
             slots.append(None)
             parts.append(Const(a, type(a)))
+    parts.append(precision_setting())
     return tuple(parts), list(storages), slots
 
 

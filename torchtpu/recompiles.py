@@ -47,21 +47,24 @@ def no_recompiles():
 
 # ---- kernels ---------------------------------------------------------------
 
-def note_kernel(op, pos_specs, kw_specs):
-    """A new kernel of op for these argument specs (a miss in debug or
-    strict mode). Raises RecompileError where refused."""
+def note_kernel(op, pos_specs, kw_specs, precision=None):
+    """A new kernel of op for these argument specs (and float32 matmul
+    precision, for a matrix product): a miss in debug or strict mode.
+    Raises RecompileError where refused."""
     earlier = _kernels[op]
-    specs = (pos_specs, kw_specs)
+    specs = (pos_specs, kw_specs, precision)
     difference = _nearest(earlier, specs, _kernel_differences)
     earlier.append(specs)
     _note(op, difference, f"a new kernel of {op}", again=difference is not None)
 
 
 def _kernel_differences(a, b):
-    """What differs between two calls' (pos_specs, kw_specs): a list of
-    phrases, 'argument 0: shape [4, 8] -> [5, 8]'."""
+    """What differs between two calls' (pos_specs, kw_specs, precision): a
+    list of phrases, 'argument 0: shape [4, 8] -> [5, 8]'."""
     out = []
-    (pa, ka), (pb, kb) = a, b
+    (pa, ka, qa), (pb, kb, qb) = a, b
+    if qa != qb:
+        out.append(f"float32 matmul precision {qa.name} -> {qb.name}")
     if len(pa) != len(pb):
         out.append(f"{len(pa)} -> {len(pb)} arguments")
     for i, (x, y) in enumerate(zip(pa, pb)):

@@ -35,7 +35,9 @@ class Kernel:
         # The storages an in-place op writes, in the order fn returns them.
         self.written_slots = written_slots
         self.avals = None  # output avals, filled by fused mode on first use
-        self.specs = None  # (positional, keyword) argument specs: its key (torchtpu.recompiles)
+        # (positional, keyword) argument specs and matmul precision: its key
+        # (torchtpu.recompiles)
+        self.specs = None
         # Loaded from its record or compiled, at its first call.
         self.jitted = cache.jit_kernel(self, fn, _kernel_name(name), device)
 
@@ -94,7 +96,7 @@ def physical_order(meta):
     return tuple(order)
 
 
-def build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, device=0):
+def build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, device=0, precision=None):
     lowering = plan.lowering
     out_dtypes = out_tdtypes = None
     if out_meta is not None:
@@ -126,7 +128,7 @@ def build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, d
             kwargs["key"] = rng.key_from(next(scalars), next(scalars))
         flag = bounds.device_flag(bound, args, kwargs, flat[n_storages]) if bound is not None else None
         with ctx.tracing(out_meta[0] if out_meta is not None else None,
-                         [_spec_contiguous(s) for s in pos_specs]):
+                         [_spec_contiguous(s) for s in pos_specs], precision):
             result = lowering(*args, **kwargs)
         leaves = []
         template = flatten(result, leaves)
@@ -158,13 +160,15 @@ def build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, d
         return tuple(leaves), ()
 
     stable = repr((plan.name, pos_specs, kw_specs, out_dtypes)) + (" checked" if bound else "")
+    if precision is not None:
+        stable += f" precision {precision.name}"
     if " at 0x" in stable or getattr(lowering, "process_local", False):
         # Not describable across processes (a user's kernel: its code is not
         # in torchtpu's source digest).
         stable = None
     kernel = Kernel(plan.name, fn, out_dtypes, written_slots, stable,
                     bound, device)
-    kernel.specs = (pos_specs, kw_specs)
+    kernel.specs = (pos_specs, kw_specs, precision)
     return kernel
 
 

@@ -20,6 +20,7 @@ from torch._decomp import decomposition_table
 
 from .. import advisor, bounds, cache, errors, metrics, modes, recompiles, runtime
 from ..modes import checks
+from ..ops import precision_setting
 from ..ops import random as rng
 from ..tensor import (DtypeView, GrownStorage, Lost, Storage, TpuTensor, check_in_storage, contiguous_strides,
                       make_view, storage_dtype, view_tensor, whole_tensor)
@@ -207,8 +208,10 @@ def _run_lowered(plan, args, kwargs):
                           for k, v in kwargs.items()])
     else:
         kw_specs = ()
-    # The plan stands for its op in the key: it hashes by identity, in C.
-    key = (plan, pos_specs, kw_specs)
+    # The plan stands for its op in the key: it hashes by identity, in C. A
+    # float matrix product's precision is the user's setting at this call.
+    precision = precision_setting() if plan.matmul else None
+    key = (plan, pos_specs, kw_specs, precision)
     entry = cache.lookup(key)
     dynamic = call.dynamic if call is not None else ()
     if entry is None:
@@ -216,14 +219,14 @@ def _run_lowered(plan, args, kwargs):
         # (data[i:i + n] at a moving i) runs one kernel taking them at run time.
         fed = offsets_fed(pos_specs, kw_specs, dynamic)
         if fed is not None:
-            general = (plan, fed[0], fed[1])
+            general = (plan, fed[0], fed[1], precision)
             if cache.served_generally(general, key):
                 pos_specs, kw_specs, dynamic, key = fed[0], fed[1], fed[2], general
                 entry = cache.lookup(key)
     if entry is None:
         device = kernel_device(pos_specs, kw_specs)  # (raises CUDA's error for two devices)
         if not modes.current().records:
-            recompiles.note_kernel(plan.name, pos_specs, kw_specs)  # (fused mode: per graph)
+            recompiles.note_kernel(plan.name, pos_specs, kw_specs, precision)  # (fused mode: per graph)
         if plan.kind == "mutate":
             if written_checked(plan, pos_specs, kw_specs,
                                lambda: _check_written(plan, args, kwargs)):
@@ -248,7 +251,7 @@ def _run_lowered(plan, args, kwargs):
             orders = [physical_order(m) for m in out_meta[0]]
             orders = orders if any(orders) else None
         entry = cache.store(key, KernelEntry(build_kernel(plan, pos_specs, kw_specs, len(storages),
-                                                          out_meta, orders, device),
+                                                          out_meta, orders, device, precision),
                                              out_meta, out_tdtypes, orders))
         advisor.note_new_kernel(plan.name, whole_shape(pos_specs))
     kernel, _, out_dtypes, orders = entry

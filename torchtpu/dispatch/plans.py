@@ -25,7 +25,7 @@ SPECIAL = {}
 class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
-                 "n_plain", "result_sources", "tensorish", "view_cache", "random",
+                 "n_plain", "result_sources", "tensorish", "view_cache", "random", "matmul",
                  "accepts", "special", "custom_default", "pos_flags", "handler")
 
     def __init__(self, func):
@@ -74,6 +74,7 @@ class Plan:
         else:
             self.kind = "other"
         self.random = getattr(self.lowering, "random", False)
+        self.matmul = getattr(self.lowering, "matmul", False)
         # A library's custom op with a kernel for this device or for any
         # (FSDP2's copy-in and copy-out ops register Python ones): the key
         # of the kernel to run, else None.

@@ -1,8 +1,9 @@
 """Matrix products and dense linear algebra.
 
-Float matmuls run at full precision (Precision.HIGHEST) so results match
-PyTorch on CPU; integer products accumulate exactly in int64; bf16/f16
-accumulate in float32.
+Float matmuls run at the precision torch.set_float32_matmul_precision()
+asks for (lower(matmul=True)): full float32 by default, so results match
+PyTorch on CPU; decompositions always do. Integer products accumulate
+exactly in int64; bf16/f16 accumulate in float32.
 """
 import math
 
@@ -13,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from .registry import ctx, lower
-from .util import ctx_dtype, rounder
+from .util import ctx_dtype, matmul_precision, rounder
 
 from ..compat import aten
 HIGHEST = lax.Precision.HIGHEST
@@ -34,7 +35,7 @@ def _matmul(a, b, out_dtype=None):
     acc = _acc(a.dtype)
     if acc.kind == "i":
         a, b = a.astype(acc), b.astype(acc)
-    r = jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=acc)
+    r = jnp.matmul(a, b, precision=matmul_precision(), preferred_element_type=acc)
     return r.astype(out_dtype)
 
 
@@ -74,27 +75,27 @@ def _add_beta(self, prod, beta, alpha, scalars_in_dtype=False, empty=False):
 
 
 @lower(aten.mm.default, aten.bmm.default, aten.mv.default, aten.dot.default,
-       aten._int_mm.default)
+       aten._int_mm.default, matmul=True)
 def mm(a, b):
     return _matmul(a, b)
 
 
-@lower(aten.mm.dtype, aten.bmm.dtype)
+@lower(aten.mm.dtype, aten.bmm.dtype, matmul=True)
 def mm_dtype(a, b, out_dtype):
     return _matmul(a, b)
 
 
-@lower(aten.vdot.default)
+@lower(aten.vdot.default, matmul=True)
 def vdot(a, b):
     return _matmul(jnp.conj(a), b)
 
 
-@lower(aten.addmm.default, aten.baddbmm.default)
+@lower(aten.addmm.default, aten.baddbmm.default, matmul=True)
 def addmm(self, m1, m2, *, beta=1, alpha=1):
     return _add_beta(self, _matmul(m1, m2, _acc(m1.dtype)), beta, alpha, empty=m1.shape[-1] == 0)
 
 
-@lower(aten.linear.default)
+@lower(aten.linear.default, matmul=True)
 def linear(x, weight, bias=None):
     # Reached only through linear.out (autograd decomposes linear itself).
     prod = _matmul(x, jnp.swapaxes(weight, -1, -2), _acc(x.dtype))
@@ -103,18 +104,18 @@ def linear(x, weight, bias=None):
     return _add_beta(bias, prod, 1, 1, empty=x.shape[-1] == 0)
 
 
-@lower(aten.addmv.default)
+@lower(aten.addmv.default, matmul=True)
 def addmv(self, m, v, *, beta=1, alpha=1):
     return _add_beta(self, _matmul(m, v, _acc(m.dtype)), beta, alpha, scalars_in_dtype=True,
                      empty=m.shape[-1] == 0)
 
 
-@lower(aten.addmm.dtype, aten.baddbmm.dtype)
+@lower(aten.addmm.dtype, aten.baddbmm.dtype, matmul=True)
 def addmm_dtype(self, m1, m2, out_dtype, *, beta=1, alpha=1):
     return _add_beta(self, _matmul(m1, m2, _acc(m1.dtype)), beta, alpha)
 
 
-@lower(aten.addbmm.default)
+@lower(aten.addbmm.default, matmul=True)
 def addbmm(self, b1, b2, *, beta=1, alpha=1):
     # CPU adds the batch's products one at a time (an addmm each), rounding
     # to bf16/f16 after each.

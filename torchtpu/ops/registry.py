@@ -5,19 +5,25 @@ import contextlib
 import threading
 
 import torch
+from jax import lax
 
 from ..compat import MissingOp
 
 LOWERINGS = {}
 
 
-def lower(*ops, random=False):
+def lower(*ops, random=False, matmul=False):
     """Register fn as the lowering of aten overloads (an OpOverloadPacket
     means all its overloads not registered otherwise).
 
     random=True: fn also takes key=, a JAX PRNG key that the dispatcher
     derives inside the kernel from the device generator's (seed, offset),
     passed as dynamic inputs so that successive calls never recompile.
+
+    matmul=True: fn multiplies float matrices (a matmul, a convolution,
+    attention) at the precision torch.set_float32_matmul_precision() asks
+    for, which it reads as matmul_precision() while traced; the setting is
+    part of its kernels' keys.
 
     Python numbers arrive traced unless fn.static_args names them (a tuple of
     argument names): then each value compiles its own kernel (an arange's
@@ -33,6 +39,7 @@ def lower(*ops, random=False):
     kernel returns (args are the op's, tensors still torch tensors)."""
     def deco(fn):
         fn.random = random
+        fn.matmul = matmul
         for op in ops:
             if isinstance(op, MissingOp):
                 continue  # an op this torch does not have
@@ -52,20 +59,36 @@ class TraceContext(threading.local):
     contiguous: per positional argument, whether that tensor is contiguous
     (None for non-tensors); some CPU kernels pick their algorithm by it and
     their backward formulas rely on that choice (linalg's LU of A^T).
+    precision: the lax.Precision of float matrix products (lower(matmul=True)).
     Set only by tracing(), for the one lowering being traced."""
     out = None
     contiguous = ()
+    precision = lax.Precision.HIGHEST
 
     @contextlib.contextmanager
-    def tracing(self, out, contiguous):
-        """Trace one lowering with out and contiguous set, then restore
-        what was set before (a lowering that traces another op inside)."""
-        before = self.out, self.contiguous
+    def tracing(self, out, contiguous, precision=None):
+        """Trace one lowering with these set, then restore what was set
+        before (a lowering that traces another op inside)."""
+        before = self.out, self.contiguous, self.precision
         self.out, self.contiguous = out, contiguous
+        self.precision = lax.Precision.HIGHEST if precision is None else precision
         try:
             yield
         finally:
-            self.out, self.contiguous = before
+            self.out, self.contiguous, self.precision = before
 
 
 ctx = TraceContext()
+
+# torch.get_float32_matmul_precision() -> how XLA multiplies float32
+# matrices: "highest" (PyTorch's default, and CPU's results) in full float32;
+# "high" in bf16_3x passes on TPU, TF32 on GPU; "medium" at the platform's
+# default (one bf16 pass on TPU).
+_PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH,
+               "medium": lax.Precision.DEFAULT}
+
+
+def precision_setting():
+    """The lax.Precision the user's float32 matmul precision asks for (read
+    per call: changing it takes effect at the next op)."""
+    return _PRECISIONS.get(torch.get_float32_matmul_precision(), lax.Precision.HIGHEST)

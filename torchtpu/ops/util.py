@@ -67,6 +67,13 @@ def rounder(dtype):
     return lambda v: runtime.round_to(v, dtype)
 
 
+def matmul_precision():
+    """The lax.Precision of float matrix products in the lowering being
+    traced (one registered with lower(matmul=True))."""
+    from .registry import ctx
+    return ctx.precision
+
+
 def ctx_dtype(i=0):
     """The jax dtype PyTorch's meta kernel gives output i of the traced op."""
     from .registry import ctx

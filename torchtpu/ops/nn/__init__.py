@@ -11,8 +11,9 @@
 - resample: upsampling and grid sampling;
 - recurrent: the fused LSTM and GRU cells (nn.LSTM, nn.GRU off the CPU).
 
-Float work runs at full precision (Precision.HIGHEST) and bf16/f16 inputs
-compute in float32, as PyTorch's CPU kernels do. Backward ops that have a
+Float work runs at full precision (Precision.HIGHEST), convolutions and
+attention at the float32 matmul precision the user sets (full by default),
+and bf16/f16 inputs compute in float32, as PyTorch's CPU kernels do. Backward ops that have a
 simple forward are lowered as the JAX vjp of that forward, so forward and
 backward agree by construction.
 """

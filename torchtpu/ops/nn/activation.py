@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 
 from ..registry import lower
-from ..util import ctx_dtype
-from .common import HIGHEST, _up, aten
+from ..util import ctx_dtype, matmul_precision
+from .common import _up, aten
 
 
 # ---- activations and products ----------------------------------------------
@@ -24,7 +24,7 @@ def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3, training=F
     return (xs * r).astype(x.dtype), r.astype(noise.dtype)
 
 
-@lower(aten._trilinear.default)
+@lower(aten._trilinear.default, matmul=True)
 def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     """sum over sumdim of i1 * i2 * i3, each with size-1 dims inserted at its
     expand positions."""
@@ -43,7 +43,7 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
         operands.append(jnp.broadcast_to(t, tuple(sizes[d] for d in kept)))
         subs.append("".join(letters[d] for d in kept))
     out = "".join(letters[d] for d in range(ndim) if d not in set(sumdim))
-    res = jnp.einsum(",".join(subs) + "->" + out, *operands, precision=HIGHEST)
+    res = jnp.einsum(",".join(subs) + "->" + out, *operands, precision=matmul_precision())
     # A dim no input has stays size 1 (unless summed).
     res = res.reshape(tuple(sizes[d] for d in range(ndim) if d not in set(sumdim)))
     return res.astype(ctx_dtype())

@@ -9,8 +9,8 @@ import torch
 
 from .. import random as rng
 from ..registry import lower
-from ..util import ctx_dtype
-from .common import HIGHEST, _up, aten
+from ..util import ctx_dtype, matmul_precision
+from .common import _up, aten
 
 
 # ---- softmax ----------------------------------------------------------------
@@ -93,7 +93,7 @@ def _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
         k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
     root = math.sqrt(abs(scale))
     s = jnp.matmul(q * (-root if scale < 0 else root), jnp.swapaxes(k * root, -1, -2),
-                   precision=HIGHEST)
+                   precision=matmul_precision())
     if mask is not None:
         s = s + (jnp.where(mask, 0, -jnp.inf).astype(s.dtype) if mask.dtype == jnp.bool_
                  else mask.astype(s.dtype))
@@ -108,15 +108,15 @@ def _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
         p = jnp.zeros_like(p)
     elif dropout_p > 0:
         p = jnp.where(_dropout_keep(p.shape, dropout_p, seed, offset), p * (1 / (1 - dropout_p)), 0)
-    return jnp.matmul(p, v, precision=HIGHEST).astype(dtype)
+    return jnp.matmul(p, v, precision=matmul_precision()).astype(dtype)
 
 
-@lower(torch.ops.torchtpu.attention.default)
+@lower(torch.ops.torchtpu.attention.default, matmul=True)
 def attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
     return _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset)
 
 
-@lower(torch.ops.torchtpu.attention_grown.default)
+@lower(torch.ops.torchtpu.attention_grown.default, matmul=True)
 def attention_grown(q, k, v, mask, scale, extent):
     # A masked key's weight is exactly 0: the result is attention over the
     # first `extent` keys alone.
@@ -130,7 +130,7 @@ def attention_grown(q, k, v, mask, scale, extent):
     return _attention(q, k, v, mask, False, scale, 0.0, 0, 0)
 
 
-@lower(torch.ops.torchtpu.attention_backward.default)
+@lower(torch.ops.torchtpu.attention_backward.default, matmul=True)
 def attention_backward(grad, q, k, v, mask, is_causal, scale, dropout_p, seed, offset, mask_grad):
     def attend(q_, k_, v_, mask_=mask):
         return _attention(q_, k_, v_, mask_, is_causal, scale, dropout_p, seed, offset)

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..registry import lower
-from .common import HIGHEST, _compute_dtype, _expand, _up, aten
+from ..util import matmul_precision
+from .common import _compute_dtype, _expand, _up, aten
 
 
 def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
@@ -19,7 +20,7 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
         return lax.conv_general_dilated(
             x, w, window_strides=stride, padding=[(p, p) for p in padding],
             rhs_dilation=dilation, feature_group_count=groups, dimension_numbers=dn,
-            precision=HIGHEST, preferred_element_type=acc)
+            precision=matmul_precision(), preferred_element_type=acc)
     # A transposed convolution is the input-gradient of a convolution: dilate
     # the input by the stride, pad by dilation*(k-1)-p, and convolve with the
     # spatially flipped kernel with in/out channels swapped per group.
@@ -35,7 +36,7 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     return lax.conv_general_dilated(
         x, w, window_strides=(1,) * nd, padding=pads, lhs_dilation=stride,
         rhs_dilation=dilation, feature_group_count=groups, dimension_numbers=dn,
-        precision=HIGHEST, preferred_element_type=acc)
+        precision=matmul_precision(), preferred_element_type=acc)
 
 def _conv_args(x, stride, padding, dilation, output_padding):
     nd = x.ndim - 2
@@ -43,7 +44,7 @@ def _conv_args(x, stride, padding, dilation, output_padding):
             _expand(output_padding, nd))
 
 
-@lower(aten.convolution.default)
+@lower(aten.convolution.default, matmul=True)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     unbatched = x.ndim == w.ndim - 1
     if unbatched:
@@ -57,7 +58,7 @@ def convolution(x, w, bias, stride, padding, dilation, transposed, output_paddin
     return out[0] if unbatched else out
 
 
-@lower(aten.convolution_backward.default)
+@lower(aten.convolution_backward.default, matmul=True)
 def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):
     stride, padding, dilation, output_padding = _conv_args(x, stride, padding, dilation,
