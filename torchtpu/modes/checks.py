@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import bounds, config, errors
-from .refs import Input, Result
+from .refs import Fenced, Input, Result
 
 
 # ---- the NaN/Inf switch ----------------------------------------------------------
@@ -81,6 +81,8 @@ def replay_for_nan(g):
     for ni, (kernel, refs) in enumerate(g.nodes):
         args = []
         for r in refs:
+            if type(r) is Fenced:
+                r = r.ref  # (op by op, nothing to fence)
             kind = type(r)
             if kind is Result:
                 args.append(values[r])

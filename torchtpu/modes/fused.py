@@ -44,11 +44,12 @@ import weakref
 
 import jax
 import torch
+from jax import lax
 
 from .. import bounds, cache, config, errors, metrics, recompiles
 from . import checks
 from ..tensor import Lost, Pending
-from .refs import FIRST_RESULTS, Input, Result, Scalar, first_result, record
+from .refs import FIRST_RESULTS, Fenced, Input, Result, Scalar, first_result, record
 from .strict import StrictExecutor
 
 
@@ -119,6 +120,8 @@ class _Graph:
         self.side_values = {}  # ref -> the value a side graph computed for a read
         self.collectives = 0   # collective nodes among them
         self.mesh = None       # the devices its collectives span
+        self.recomputed = set()  # nodes recorded while a backward pass recomputes a forward
+        self.anchor = None     # the Result of the last node a backward pass recorded
 
 
 class GraphEntry(typing.NamedTuple):
@@ -194,6 +197,13 @@ class FusedExecutor(StrictExecutor):
                 refs.append(record(Scalar, (len(g.scalars),)))
                 g.scalars.append(x)
         outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
+        if _graph_task_id() != -1:
+            # In a backward pass: a forward op that checkpointing recomputes
+            # (grad mode is on only then) reads its inputs through a fence.
+            if torch.is_grad_enabled():
+                refs = _fenced(g, refs, ni)
+            elif outs_aval or written_aval:
+                g.anchor = Result(ni, 0)
         g.nodes.append((kernel, tuple(refs)))
         if len(outs_aval) == 1 and not written_aval:
             # Most ops: one result.
@@ -489,6 +499,30 @@ def _live(g):
     return live
 
 
+_graph_task_id = torch._C._current_graph_task_id
+
+
+def _fenced(g, refs, ni):
+    """refs of node ni, an op recomputed in a backward pass, with those from
+    outside the recomputation (the graph's inputs, the forward's results)
+    read through a fence."""
+    g.recomputed.add(ni)
+    recomputed, anchor = g.recomputed, g.anchor
+    return [Fenced(r, anchor) if type(r) is Input or (type(r) is Result and r.node not in recomputed)
+            else r for r in refs]
+
+
+def _refs_read(refs):
+    """The Results and Inputs refs read, Fenced ones' anchors included."""
+    for r in refs:
+        if type(r) is Fenced:
+            yield r.ref
+            if r.anchor is not None:
+                yield r.anchor
+        else:
+            yield r
+
+
 def _needed(g, refs, keep=()):
     """The indices of g's nodes that computing refs (pending refs of g) and
     the nodes in keep takes, in order."""
@@ -498,7 +532,7 @@ def _needed(g, refs, keep=()):
     while stack:
         ni = stack.pop()
         needed.add(ni)
-        for r in nodes[ni][1]:
+        for r in _refs_read(nodes[ni][1]):
             if type(r) is Result and r.node not in needed:
                 needed.add(r.node)
                 stack.append(r.node)
@@ -514,27 +548,32 @@ def _subgraph(g, needed):
     at = {}          # g's node index -> the sub-graph's
     mine = {Input: {}, Scalar: {}}  # g's Input or Scalar -> the sub-graph's
     renamed = {}
+
+    def rename(r):
+        kind = type(r)
+        if kind is Result:
+            return Result(at[r.node], r.index)
+        if kind is Fenced:
+            return Fenced(rename(r.ref), None if r.anchor is None else rename(r.anchor))
+        ref = mine[kind].get(r)
+        if ref is None:
+            if kind is Input:
+                ref = Input(len(sub.inputs))
+                sub.inputs.append(g.inputs[r.index])
+                sub.input_owners.append(g.input_owners[r.index])
+            else:
+                ref = Scalar(len(sub.scalars))
+                sub.scalars.append(g.scalars[r.index])
+            mine[kind][r] = ref
+        return ref
+
     for ni in needed:
         kernel, refs = g.nodes[ni]
-        new = []
-        for r in refs:
-            kind = type(r)
-            if kind is Result:
-                new.append(Result(at[r.node], r.index))
-                continue
-            ref = mine[kind].get(r)
-            if ref is None:
-                if kind is Input:
-                    ref = Input(len(sub.inputs))
-                    sub.inputs.append(g.inputs[r.index])
-                    sub.input_owners.append(g.input_owners[r.index])
-                else:
-                    ref = Scalar(len(sub.scalars))
-                    sub.scalars.append(g.scalars[r.index])
-                mine[kind][r] = ref
-            new.append(ref)
+        new = tuple([rename(r) for r in refs])
         at[ni] = len(sub.nodes)
-        sub.nodes.append((kernel, tuple(new)))
+        sub.nodes.append((kernel, new))
+        if ni in g.recomputed:
+            sub.recomputed.add(at[ni])
     for p in g.outputs:
         ni = p.ref.node
         if ni in at:
@@ -574,7 +613,9 @@ def _call_jitted(kernel, args):
 def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
     """Run the recorded nodes (call(kernel, args) runs one) and return the
     values of live_refs. values: where Result -> value is kept.
-    until: a background.Job; once it has succeeded, stop and return None."""
+    until: a background.Job; once it has succeeded, stop and return None.
+    Fences are optimization barriers where the nodes are traced into one
+    computation (call is _call_traced); op by op, XLA merges nothing."""
     values = {} if values is None else values
     for ni, (kernel, refs) in enumerate(nodes):
         if until is not None and until.done and until.error is None:
@@ -586,8 +627,14 @@ def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
                 args.append(values[r])
             elif kind is Input:
                 args.append(inputs[r.index])
-            else:
+            elif kind is Scalar:
                 args.append(scalars[r.index])
+            else:
+                value = values[r.ref] if type(r.ref) is Result else inputs[r.ref.index]
+                if call is _call_traced:
+                    value = (lax.optimization_barrier(value) if r.anchor is None
+                             else lax.optimization_barrier((value, values[r.anchor]))[0])
+                args.append(value)
         outs, written = call(kernel, args)
         for j, v in enumerate(tuple(outs) + tuple(written)):
             values[Result(ni, j)] = v

@@ -1,7 +1,7 @@
 """What a fused graph's ops read: each argument of a recorded op is the
 result of an earlier op in the graph, one of the graph's input arrays, or one
-of its dynamic scalars. Graph keys hold them, so they compare and hash as
-tuples, in C. An Input and a Scalar of one index are equal tuples: they never
+of its dynamic scalars (a recomputed op reads the first two Fenced). Graph
+keys hold them, so they compare and hash as tuples, in C. An Input and a Scalar of one index are equal tuples: they never
 meet in one key (an op's argument at a given place is always an array or
 always a scalar), and a table holding both keeps them apart by type."""
 import typing
@@ -38,3 +38,14 @@ class Input(typing.NamedTuple):
 class Scalar(typing.NamedTuple):
     """The graph's dynamic scalar `index`."""
     index: int
+
+
+class Fenced(typing.NamedTuple):
+    """ref (a Result or an Input) read by an op recomputed in a backward pass
+    (activation checkpointing), through an optimization barrier it shares
+    with anchor (a Result the backward pass computed before, or None). XLA
+    then can neither merge the recomputation with the forward's ops (which
+    would keep the activations alive, undoing the checkpoint) nor run it
+    before the backward pass reaches it."""
+    ref: tuple
+    anchor: tuple

@@ -1,0 +1,124 @@
+"""Activation checkpointing (torch.utils.checkpoint) in fused mode: the
+forward a backward pass recomputes lands in the same XLA computation as the
+original forward, so fused mode fences its inputs with optimization barriers
+(tied to a value of the backward pass) that keep XLA from merging the two,
+which would keep the activations alive and undo the checkpoint."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import torchtpu
+
+_MODEL = """
+import torch
+from torch.utils.checkpoint import checkpoint
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.ff1, self.ff2 = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.ff2(torch.nn.functional.gelu(self.ff1(self.ln(x))))
+
+class Stack(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block() for _ in range(3)])
+        self.how = how
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = (block(x) if self.how is None
+                 else checkpoint(block, x, use_reentrant=self.how == "reentrant"))
+        return x.pow(2).mean()
+"""
+exec(_MODEL)
+
+
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant"])
+def test_checkpointed_steps_give_cpu_losses_and_gradients(how, mode):
+    torch.manual_seed(0)
+    cpu = Stack(how)  # noqa: F821 (defined by _MODEL)
+    tpu = Stack(how).to("tpu")  # noqa: F821
+    tpu.load_state_dict(cpu.state_dict())
+    opt_cpu = torch.optim.SGD(cpu.parameters(), lr=0.1)
+    opt_tpu = torch.optim.SGD(tpu.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 5, 16, requires_grad=how == "reentrant")
+        losses = []
+        for model, opt, xs in ((cpu, opt_cpu, x), (tpu, opt_tpu, x.detach().to("tpu").requires_grad_(x.requires_grad))):
+            opt.zero_grad()
+            loss = model(xs)
+            loss.backward()
+            losses.append(loss)
+            grads = [p.grad for p in model.parameters()]
+            if model is cpu:
+                cpu_grads = grads
+            else:
+                for got, want in zip(grads, cpu_grads):
+                    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+            opt.step()
+        torch.testing.assert_close(losses[1].cpu(), losses[0].detach(), rtol=1e-5, atol=1e-6)
+
+
+_CHILD = _MODEL + textwrap.dedent("""
+    import sys
+    import jax
+    import torchtpu
+
+    torchtpu.set_eager_mode("fused")
+    for how in (None, "non-reentrant", "reentrant"):
+        torch.manual_seed(0)
+        model = Stack(how).to("tpu")
+        x = torch.randn(4, 5, 16).to("tpu").requires_grad_(how == "reentrant")
+        torchtpu.sync()
+        jax.config.update("jax_dump_ir_to", f"{sys.argv[1]}/{how}")
+        model(x).backward()  # forward and backward: one fused graph
+        torchtpu.sync()
+""")
+
+
+def _step_program(folder):
+    """The text of the largest program dumped into folder (the step's graph)."""
+    texts = [open(os.path.join(folder, n)).read() for n in os.listdir(folder)]
+    return max(texts, key=lambda t: t.count("stablehlo.dot_general"))
+
+
+def test_the_recomputed_forward_is_fenced_in_the_fused_graph(tmp_path):
+    env = dict(os.environ, TORCHTPU_CACHE_DIR="off", TORCHTPU_FUSED_COMPILE="sync",
+               TORCHTPU_FUSE_MAX_OPS="100000")
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], env=env, timeout=600,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    plain = _step_program(tmp_path / "None")
+    assert "optimization_barrier" not in plain
+    # Each block's first linear runs again in the backward pass (the second's
+    # output is not needed: non-reentrant checkpointing stops before it, and
+    # fused mode drops it as dead), its inputs read through barriers.
+    for how in ("non-reentrant", "reentrant"):
+        fenced = _step_program(tmp_path / how)
+        assert fenced.count("stablehlo.dot_general") == plain.count("stablehlo.dot_general") + 3, how
+        assert fenced.count("stablehlo.optimization_barrier") >= 3 * 5, how
+
+
+def test_no_fence_outside_recomputation(mode):
+    """A backward pass that recomputes nothing, and double backward, give
+    CPU's gradients (grad mode on in a backward pass is create_graph's)."""
+    x = torch.randn(6, requires_grad=True)
+    xt = x.detach().to("tpu").requires_grad_()
+    for t in (x, xt):
+        y = (t.sin() * t).sum()
+        (g,) = torch.autograd.grad(y, t, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), t)
+        if t is x:
+            want = (g.detach(), gg)
+        else:
+            torch.testing.assert_close(g.detach().cpu(), want[0])
+            torch.testing.assert_close(gg.cpu(), want[1])
+    assert torchtpu.get_eager_mode() == mode
