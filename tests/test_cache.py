@@ -354,6 +354,30 @@ def test_concurrent_debug_writers_serve_strict(script, tmp_path):
     _same(ra, strict)
 
 
+def test_writers_past_the_limit_evict_the_least_recently_used(script, tmp_path):
+    """Two processes compile at once into a directory whose limit holds
+    about a third of what they write: both are right, what is left is whole
+    and within the limit, and a later run reloads what is left."""
+    d = tmp_path / "cache"
+    full = _run(script, tmp_path / "unbounded")
+    total = sum(e.stat().st_size for e in os.scandir(tmp_path / "unbounded") if e.name.endswith(
+        (cache.ENTRY_SUFFIX, cache.CHECK_SUFFIX)))
+    limit = str(total // 3)
+    a, b = (_start(script, d, "debug", TORCHTPU_CACHE_MAX_BYTES=limit) for _ in range(2))
+    ra, rb = _finish(a), _finish(b)
+    _same(ra, rb)
+    _same(ra, full)
+    assert ra["stats"]["disk_evicted"] + rb["stats"]["disk_evicted"] > 0
+    assert "Error" not in ra["stderr"] + rb["stderr"]
+    later = _run(script, d, "strict", TORCHTPU_CACHE_MAX_BYTES=limit)
+    _same(later, full)
+    assert later["stats"]["disk_hits"] > 0
+    assert _all_verified(d)
+    size = sum(e.stat().st_size for e in os.scandir(d) if e.name.endswith(
+        (cache.ENTRY_SUFFIX, cache.CHECK_SUFFIX)))
+    assert size <= int(limit)
+
+
 def test_damaged_cache_is_a_miss_and_repaired(script, tmp_path):
     """A writer killed mid-run, truncated and garbled entries, leftover
     temporaries: the next run is correct, counts misses, warns once and
@@ -740,3 +764,25 @@ def test_executables_reloaded_after_clear_run(tmp_path, mode):
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "OK" in proc.stdout
+
+
+def test_a_write_past_the_limit_evicts_the_least_recently_used_entries(monkeypatch, tmp_path):
+    """On real files: entries past TORCHTPU_CACHE_MAX_BYTES go oldest first,
+    where a read makes an entry new again; each goes whole (entry and
+    check), and an evicted entry reads as a miss."""
+    monkeypatch.setenv("TORCHTPU_CACHE_MAX_BYTES", "10K")
+    d = tmp_path / "c"
+    d.mkdir(mode=0o700)
+    disk = cache.open_disk(str(d), read_only=False)
+    before = cache.STATS.disk_evicted
+    for i in range(3):
+        disk.put(f"k{i}", bytes([i]) * 3000)
+        time.sleep(0.02)  # (distinct modification times)
+    assert disk.get("k0") == bytes([0]) * 3000  # k0 is now the most recent
+    time.sleep(0.02)
+    disk.put("k3", b"3" * 3000)  # past 10 KiB: k1, then k2 go (down to 80%)
+    left = sorted(n for n in os.listdir(d) if n.endswith((cache.ENTRY_SUFFIX, cache.CHECK_SUFFIX)))
+    assert left == ["k0-cache", "k0-check", "k3-cache", "k3-check"]
+    assert disk.get("k1") is None and disk.get("k3") == b"3" * 3000
+    assert cache.STATS.disk_evicted - before == 2
+    assert cache._main(["info", "--dir", str(d)]) == 0

@@ -9,7 +9,7 @@ atomic writes, checked reads, read-only mode):
   op) and, once strict or debug mode compiled it, its executable;
 - each fused graph's executable is stored (`program-<key>-cache`);
 - small values (`value-<key>-cache`): each call's meta outcome
-  (dispatch.kernels.meta_outcome) and the list of what a run's start-up
+  (dispatch.meta.meta_outcome) and the list of what a run's start-up
   loaded, which the next run loads ahead on a thread (start_prefetch);
 - anything else torchtpu compiles (a user's kernel, a view read) goes through
   JAX's persistent cache, in JAX's entry format, written through the same
@@ -250,7 +250,7 @@ def _disk():
 
 
 def encode_tree(template):
-    """A kernel's out_tree (see dispatch.kernels._flatten) as JSON."""
+    """A kernel's out_tree (see dispatch.meta.flatten) as JSON."""
     if template is ...:
         return "x"
     if template is None:
@@ -686,6 +686,7 @@ def stats():
         "disk_misses": m.disk_cache_misses,
         "disk_corrupt": STATS.disk_corrupt,
         "disk_untrusted": STATS.disk_untrusted,
+        "disk_evicted": STATS.disk_evicted,
         "disk_entries": info.get("entries", 0),
         "disk_programs": info.get("programs", 0),
         "programs_loaded": STATS.programs_loaded,
@@ -693,9 +694,10 @@ def stats():
         "disk_values": info.get("values", 0),
         "kernels_loaded": STATS.kernels_loaded,
         "traces_loaded": STATS.traces_loaded,
-        "values_loaded": STATS.values_loaded,  # meta outcomes (dispatch.kernels.meta_outcome)
+        "values_loaded": STATS.values_loaded,  # meta outcomes (dispatch.meta.meta_outcome)
         "prefetched": STATS.prefetched,
         "disk_bytes": info.get("bytes", 0),
+        "disk_limit": info.get("limit"),
         "compilations": m.compilations,
         "compile_seconds": round(m.compile_seconds, 6),
         "compile_seconds_saved": round(STATS.compile_seconds_saved, 6),
@@ -752,6 +754,9 @@ def _main(argv=None):
     print(f"kernel records      {info['kernels']}")
     print(f"stored values       {info['values']}")
     print(f"bytes               {info['bytes']} ({_human(info['bytes'])})")
+    limit = info["limit"]
+    print("limit               " + (f"{limit} ({_human(limit)}; TORCHTPU_CACHE_MAX_BYTES)" if limit
+                                      else "none (TORCHTPU_CACHE_MAX_BYTES=0)"))
     print(f"unverified entries  {info['unverified_entries']}")
     print(f"temporary files     {info['temp_files']}")
     return 0

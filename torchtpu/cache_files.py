@@ -64,6 +64,21 @@ def cache_dir():
     return os.path.abspath(os.path.expanduser(value or _default_dir()))
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def max_bytes():
+    """TORCHTPU_CACHE_MAX_BYTES in bytes; None for no limit."""
+    text = config.CACHE_MAX_BYTES.text().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    try:
+        value = int(float(text[:len(text) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"TORCHTPU_CACHE_MAX_BYTES={config.CACHE_MAX_BYTES.text()!r} is not a size "
+                         "(bytes, or a number with K, M, G or T)") from None
+    return value if value > 0 else None
+
+
 def readonly():
     return config.CACHE_READONLY.on()
 
@@ -259,7 +274,8 @@ def disk_info(path):
     """Entries (JAX's executables), stored programs (fused graphs' executables),
     kernel records, stored values, bytes and leftover temporary files in a cache directory."""
     info = {"dir": path, "exists": bool(path) and os.path.isdir(path), "entries": 0,
-            "programs": 0, "kernels": 0, "values": 0, "bytes": 0, "unverified_entries": 0, "temp_files": 0}
+            "programs": 0, "kernels": 0, "values": 0, "bytes": 0, "limit": max_bytes(),
+            "unverified_entries": 0, "temp_files": 0}
     if not info["exists"]:
         return info
     names = set()
@@ -307,6 +323,24 @@ def clear_disk(path):
     return removed
 
 
+def _entries(dir_fd):
+    """(key, bytes of its entry and check, last use) of each entry in the
+    directory; last use is its check's modification time (a read renews it)."""
+    sizes, used = {}, {}
+    for e in os.scandir(dir_fd):
+        for suffix in (ENTRY_SUFFIX, CHECK_SUFFIX):
+            if e.name.endswith(suffix):
+                key = e.name[:-len(suffix)]
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:  # removed meanwhile
+                    continue
+                sizes[key] = sizes.get(key, 0) + st.st_size
+                if suffix == CHECK_SUFFIX:
+                    used[key] = st.st_mtime
+    return [(key, size, used.get(key, 0.0)) for key, size in sizes.items()]
+
+
 def _remove_stale_temps(dir_fd, older_than=3600.0):
     """Temporaries left by killed writers (never read; only take space)."""
     now = time.time()
@@ -330,6 +364,7 @@ class _Stats:
 
     def reset(self):
         self.memory_misses = 0
+        self.disk_evicted = 0
         self.disk_corrupt = 0
         self.disk_untrusted = 0
         self.compile_seconds_saved = 0.0
@@ -344,6 +379,7 @@ class _Stats:
 
     def snapshot(self):
         return {"memory_cache_misses": self.memory_misses,
+                "disk_cache_evicted": self.disk_evicted,
                 "disk_cache_corrupt": self.disk_corrupt,
                 "disk_cache_untrusted": self.disk_untrusted,
                 "compile_seconds_saved": round(self.compile_seconds_saved, 6),
@@ -390,6 +426,8 @@ class DiskCache(_CacheInterface):
         self._write_failed = False
         self._swept = read_only  # stale temporaries are swept before the first write
         self._trusted = trusted_uids()
+        self._limit = max_bytes()
+        self._used = None  # the directory's bytes as this process last knew them
 
     def get(self, key):
         if getattr(_tl, "bypass", False):  # torchtpu stores this executable itself
@@ -426,6 +464,11 @@ class DiskCache(_CacheInterface):
             self._corrupt(key, "contents do not match their checksum (truncated or garbled)")
             return None
         _tl.hit_compile_seconds = check.get("compile_seconds")
+        if not self.read_only:
+            try:  # used now: the last to be evicted
+                os.utime(key + CHECK_SUFFIX, dir_fd=self.dir_fd)
+            except OSError:  # another user's entry, or evicted meanwhile
+                pass
         return value
 
     def _corrupt(self, key, why):
@@ -458,6 +501,8 @@ class DiskCache(_CacheInterface):
                 self._rename(tmps[1], key + CHECK_SUFFIX)
                 self._rename(tmps[0], key + ENTRY_SUFFIX)
             tmps.clear()
+            if self._limit is not None:
+                self._within_limit(len(value) + len(check))
         except OSError as e:
             self._write_failed = True
             _warn_once("write", f"torchtpu: cannot write the compilation cache in {self.dir} "
@@ -468,6 +513,30 @@ class DiskCache(_CacheInterface):
 
     def _rename(self, src, dst):
         os.replace(src, dst, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+
+    def _within_limit(self, written):
+        """After a write of `written` bytes: past the limit, remove the least
+        recently used entries (by their check file's time, which a read
+        renews) down to 80% of it. Under the exclusive lock, so no other
+        process is reading what goes; a concurrent evicter finds the
+        directory already within the limit."""
+        if self._used is not None:
+            self._used += written
+            if self._used <= self._limit:
+                return
+        with _locked(self.dir_fd, exclusive=True):
+            entries = _entries(self.dir_fd)
+            self._used = sum(size for _, size, _ in entries)
+            if self._used <= self._limit:
+                return
+            for key, size, _ in sorted(entries, key=lambda e: e[2]):
+                if self._used <= 0.8 * self._limit:
+                    break
+                # The entry first: a check without its entry reads as a miss.
+                _unlink(key + ENTRY_SUFFIX, self.dir_fd)
+                _unlink(key + CHECK_SUFFIX, self.dir_fd)
+                self._used -= size
+                STATS.disk_evicted += 1
 
 
 # ---- configuration -------------------------------------------------------------
