@@ -130,7 +130,13 @@ def _tensor_spec(call, t):
         spec = _grown_spec(call, t)
         if spec is not None:
             return spec
-    return record(TensorArg, (call.slot(storage),) + t._key)
+    # (call.slot, inline: a foreach op's lists bring dozens of tensors.)
+    slot = call.slots.get(storage)
+    if slot is None:
+        slot = call.slots[storage] = len(call.storages)
+        call.storages.append(storage)
+        call.arrays.append(storage.array)
+    return record(TensorArg, (slot,) + t._key)
 
 
 def grown_readable(t):
