@@ -46,7 +46,7 @@ import warnings
 import jax
 from jax import monitoring
 
-from . import background, compat, config, metrics
+from . import background, compat, config, metrics, profiling
 from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
     CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, PROGRAM_PREFIX, STATS, TMP_PREFIX,
     VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
@@ -344,7 +344,8 @@ def _compile(fn, name, key, args, donate_argnums, device):
     jitted = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device)
     _tl.bypass = True
     try:
-        return jitted.lower(*args).compile()
+        with profiling.span(lambda: f"torchtpu compile {name}"):
+            return jitted.lower(*args).compile()
     finally:
         _tl.bypass = False
 

@@ -3,7 +3,7 @@ concrete array (waiting for its executor) and its download."""
 import functools
 import math
 
-from .. import cache, errors, modes, runtime
+from .. import cache, errors, modes, profiling, runtime
 from ..compat import aten
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, View, Window, grown_view, read_view, read_view_at
 
@@ -12,7 +12,8 @@ def to_tpu(t, non_blocking=False, device=0):
     """A CPU tensor -> a new TpuTensor on tpu:device holding a copy;
     non_blocking (from a pinned tensor) starts the transfer and returns
     (runtime.to_device)."""
-    arr = runtime.to_device(t, runtime.DEVICES[device], non_blocking=non_blocking)
+    with profiling.span(lambda: f"torchtpu upload {list(t.shape)} {t.dtype}"):
+        arr = runtime.to_device(t, runtime.DEVICES[device], non_blocking=non_blocking)
     return TpuTensor(Storage(arr, device), tuple(t.shape), t.dtype)
 
 

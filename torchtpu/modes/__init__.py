@@ -10,7 +10,7 @@ Fused mode also has flush(reason) and record_collective(...).
 """
 import contextlib
 
-from .. import advisor, config, metrics
+from .. import advisor, config, errors, metrics, profiling
 
 MODES = ("debug", "strict", "fused")
 _executors = {}
@@ -101,9 +101,10 @@ def sync_point(reason, wait):
     issued work, counted once as a sync (torchtpu.metrics) and, with the
     debug advisor on, noted at the user's line with its reason and wait."""
     metrics.M.syncs += 1
-    if advisor.ON:
-        return advisor.timed_sync(reason, lambda: wait(reason))
-    return wait(reason)
+    with profiling.span(lambda: f"torchtpu sync ({reason}) at {errors.user_line()}"):
+        if advisor.ON:
+            return advisor.timed_sync(reason, lambda: wait(reason))
+        return wait(reason)
 
 
 def sync(reason="sync"):

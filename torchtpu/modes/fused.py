@@ -46,7 +46,7 @@ import jax
 import torch
 from jax import lax
 
-from .. import bounds, cache, config, errors, metrics, recompiles
+from .. import bounds, cache, config, errors, metrics, profiling, recompiles
 from . import checks
 from ..tensor import Lost, Pending
 from .refs import FIRST_RESULTS, Fenced, Input, Result, Scalar, first_result, record
@@ -331,7 +331,8 @@ class FusedExecutor(StrictExecutor):
             # checks on: their record of lines follows the recorded nodes.)
             g, renamed = _without_dead_nodes(g, live)
         try:
-            self._issue(g, live, renamed, reason)
+            with profiling.span(lambda: f"torchtpu flush ({reason}): {len(g.nodes)} ops at {errors.user_line()}"):
+                self._issue(g, live, renamed, reason)
         except Exception as e:
             errors.note_fused_graph(e, g, reason, checks.graph_lines(g))  # its message names the graph's ops
             raise
@@ -381,7 +382,10 @@ class FusedExecutor(StrictExecutor):
             if donate is not None and state != "op-by-op":
                 STATS.donated_inputs += sum(donate)
             try:
-                results = run(g.inputs, g.scalars)
+                with profiling.span(lambda: f"torchtpu graph run ({state}): {len(g.nodes)} ops at {site}"):
+                    results = run(g.inputs, g.scalars)
+                    if profiling.recording():
+                        jax.block_until_ready(results)  # the range spans the device's work
             except Exception as e:
                 results = self._recover(g, live, live_refs, site, e)
         self._last = results

@@ -1,0 +1,78 @@
+"""torch.profiler shows torchtpu's work: beside the aten ops, ranges for each
+upload, sync, fused flush and graph run (and each compile), naming the reason
+and the user's line."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import torchtpu
+
+
+def _step_names(mode):
+    torchtpu.set_eager_mode(mode)
+    model = torch.nn.Linear(8, 4).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()  # the step's sync
+    x_cpu = torch.randn(16, 8)
+    for _ in range(3):
+        step(x_cpu.to("tpu"))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        x = x_cpu.to("tpu")  # an upload
+        loss = step(x)
+    assert loss == loss
+    return [e.key for e in prof.key_averages()]
+
+
+def test_a_strict_step_shows_its_ops_upload_and_sync():
+    with torchtpu.eager_mode("strict"):
+        names = _step_names("strict")
+    assert {"aten::addmm", "aten::mean"} <= set(names)
+    assert "torchtpu upload [16, 8] torch.float32" in names
+    assert any(n.startswith("torchtpu sync (item) at ") and __file__ in n for n in names), names
+
+
+def test_a_fused_step_shows_its_flush_and_graph_run_at_the_users_line():
+    with torchtpu.eager_mode("fused"):
+        names = _step_names("fused")
+    assert {"aten::addmm", "aten::mean"} <= set(names)
+    flushes = [n for n in names if n.startswith("torchtpu flush (item): ")]
+    runs = [n for n in names if n.startswith("torchtpu graph run (hit): ")]
+    assert flushes and runs, names
+    assert all(__file__ in n for n in flushes + runs)
+
+
+def test_no_range_without_a_profiler():
+    from torchtpu import profiling
+    assert not profiling.recording()
+    with profiling.span(lambda: 1 / 0):  # the name is not even made
+        pass
+
+
+_COMPILING = textwrap.dedent("""
+    import json, sys, torch, torchtpu
+    from torch.profiler import ProfilerActivity, profile
+    x = torch.randn(5, 3).to("tpu")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (x.exp() * 2).sum().item()
+    print(json.dumps([e.key for e in prof.key_averages()]))
+""")
+
+
+def test_compiles_show_as_ranges(tmp_path):
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", _COMPILING], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    names = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "torchtpu compile tpu_aten_exp_default" in names, names
