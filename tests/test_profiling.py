@@ -76,3 +76,24 @@ def test_compiles_show_as_ranges(tmp_path):
     assert out.returncode == 0, out.stderr
     names = json.loads(out.stdout.strip().splitlines()[-1])
     assert "torchtpu compile tpu_aten_exp_default" in names, names
+
+
+def test_the_sync_report_names_each_sync_per_step(mode):
+    model = torch.nn.Linear(4, 1).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 4).to("tpu")
+    torchtpu.metrics.reset()
+    for _ in range(5):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert loss.item() >= 0  # sync one
+        loss_line = sys._getframe().f_lineno - 1
+        assert model.weight.sum().item() == model.weight.sum().item()  # two more
+        weight_line = sys._getframe().f_lineno - 1
+    report = torchtpu.metrics.sync_report()
+    assert report.startswith("torchtpu syncs: 15 in 5 training steps (3.0 per step)")
+    assert f"test_profiling.py:{loss_line}: item x5 (1.0 per step), waited " in report
+    assert f"test_profiling.py:{weight_line}: item x10 (2.0 per step), waited " in report
+    assert "waiting for the device: " in report

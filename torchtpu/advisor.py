@@ -33,9 +33,6 @@ class _State:
         self.kernels = collections.Counter()     # op -> kernels compiled
         self.churn_lines = {}                    # op -> line at the threshold
         self.churn_shapes = collections.defaultdict(list)  # op -> first argument's shapes
-        self.syncs = collections.Counter()       # (line, reason) -> count
-        self.sync_seconds = 0.0
-        self.steps = 0
         self.grown_cuts = collections.Counter()  # (op, line, dim, bucket) -> count
 
 
@@ -91,20 +88,6 @@ def note_grown_cut(op, line, dim, length, bucket):
     S.grown_cuts[(op, line, dim, bucket)] += 1
 
 
-def timed_sync(reason, wait):
-    """Run wait() (a sync point), noting its user line, reason and wait."""
-    S.syncs[(errors.user_line(sys._getframe(1)), reason)] += 1
-    start = time.perf_counter()
-    try:
-        return wait()
-    finally:
-        S.sync_seconds += time.perf_counter() - start
-
-
-def _on_step(optimizer, args, kwargs):
-    S.steps += 1
-
-
 _installed = False
 
 
@@ -113,8 +96,6 @@ def _install():
     if _installed:
         return
     _installed = True
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    register_optimizer_step_post_hook(_on_step)
     atexit.register(_print_at_exit)
     metrics.register_footer(lambda: summary() if ON else "")
 
@@ -167,20 +148,21 @@ def summary():
                    "between steps (new shapes?)"
                    + (f"; fused mode fell back to op by op {snap.get('fused_fallbacks')} times"
                       if snap.get("fused_fallbacks") else ""))
-    if S.syncs:
-        total = sum(S.syncs.values())
-        steps = S.steps
+    syncs = metrics.M.sync_sites
+    if syncs:
+        total = sum(n for n, _ in syncs.values())
+        steps = metrics.M.steps
         if steps:
             out.append(f"  Sync points: {total} in {steps} training steps "
                        f"({total / steps:.1f} per step); each waits for the device:")
         else:
             out.append(f"  Sync points: {total}; each waits for the device:")
-        for (line, reason), n in S.syncs.most_common(6):
+        for (line, reason), (n, _) in sorted(syncs.items(), key=lambda kv: -kv[1][0])[:6]:
             per = f" ({n / steps:.1f} per step)" if steps else ""
             out.append(f"    {_short(line)}: {reason} x{n}{per}")
     compile_s = snap.get("compile_seconds", 0.0) + snap.get("graph_build_seconds", 0.0)
     out.append(f"  Time: compile {compile_s:.2f} s ({snap.get('compilations', 0)} compilations), "
-               f"execute (waiting at sync points) {S.sync_seconds:.2f} s, "
+               f"execute (waiting at sync points) {metrics.M.sync_seconds:.2f} s, "
                f"wall {time.perf_counter() - _START:.2f} s")
     if len(out) == 2:
         out.insert(1, "  nothing to report: no CPU fallbacks, no shape churn, no syncs")

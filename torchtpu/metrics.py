@@ -1,6 +1,8 @@
 """Counters of what torchtpu did: ops, compilations, cache hits, syncs, fallbacks."""
 import collections
 import html
+import os
+import time
 
 _COUNTERS = ("ops_dispatched", "compilations", "memory_cache_hits",
              "disk_cache_hits", "disk_cache_misses", "syncs")
@@ -14,12 +16,56 @@ class _Metrics:
         for name in _COUNTERS:
             setattr(self, name, 0)
         self.compile_seconds = 0.0
+        self.steps = 0  # optimizer.step() calls
+        # Per (user line, reason): [syncs there, seconds they waited].
+        self.sync_sites = collections.defaultdict(lambda: [0, 0.0])
+        self.sync_seconds = 0.0
+        self.since = time.perf_counter()
         self.cpu_fallbacks = collections.Counter()
         self.decompositions = collections.Counter()
         self.extra = {}  # counters owned by other layers (fused mode, cache)
 
 
 M = _Metrics()
+
+
+def note_sync(line, reason, seconds):
+    """A sync at the user's line, for reason, that waited seconds."""
+    M.syncs += 1
+    site = M.sync_sites[(line, reason)]
+    site[0] += 1
+    site[1] += seconds
+    M.sync_seconds += seconds
+
+
+def _count_step(optimizer, args, kwargs):
+    M.steps += 1
+
+
+def _short(line):
+    """'dir/file.py:12' -> 'file.py:12'."""
+    path, _, lineno = line.rpartition(":")
+    return f"{os.path.basename(path) or path}:{lineno}" if path else line
+
+
+def sync_report(most=8):
+    """Where the program waits for the device: each sync site (the user's
+    line and why) with its count, per training step (optimizer.step()
+    calls), and the time it waited; then the waiting against the wall time
+    since metrics were reset. Little waiting means the host is the
+    bottleneck (Python, dispatch, recording); much means the device is."""
+    wall = time.perf_counter() - M.since
+    steps = M.steps
+    per = (lambda n: f" ({n / steps:.1f} per step)") if steps else (lambda n: "")
+    head = f"torchtpu syncs: {M.syncs}" + (f" in {steps} training steps" + per(M.syncs) if steps else "")
+    lines = [head, f"  waiting for the device: {M.sync_seconds:.3f} s of {wall:.3f} s "
+                   f"({100 * M.sync_seconds / wall if wall else 0:.0f}%; the rest is the host's)"]
+    sites = sorted(M.sync_sites.items(), key=lambda kv: -kv[1][0])
+    for (line, reason), (n, seconds) in sites[:most]:
+        lines.append(f"  {_short(line)}: {reason} x{n}{per(n)}, waited {seconds:.3f} s")
+    if len(sites) > most:
+        lines.append(f"  ... and {len(sites) - most} more sites")
+    return "\n".join(lines)
 _providers = []
 _footers = []
 
@@ -106,3 +152,11 @@ def summary():
         f"  syncs (host reads of device values): {snap['syncs']}",
         f"  CPU fallbacks: {fell_back}",
     ])
+
+
+def _install_step_counter():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    register_optimizer_step_post_hook(_count_step)
+
+
+_install_step_counter()

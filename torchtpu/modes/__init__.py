@@ -9,8 +9,9 @@ records, fuses and waits_each_op (modes/strict.py says what each means).
 Fused mode also has flush(reason) and record_collective(...).
 """
 import contextlib
+import time
 
-from .. import advisor, config, errors, metrics, profiling
+from .. import config, errors, metrics, profiling
 
 MODES = ("debug", "strict", "fused")
 _executors = {}
@@ -98,13 +99,15 @@ def forget_flush_sites():
 
 def sync_point(reason, wait):
     """wait(reason): a read of device values on the host or a wait for all
-    issued work, counted once as a sync (torchtpu.metrics) and, with the
-    debug advisor on, noted at the user's line with its reason and wait."""
-    metrics.M.syncs += 1
-    with profiling.span(lambda: f"torchtpu sync ({reason}) at {errors.user_line()}"):
-        if advisor.ON:
-            return advisor.timed_sync(reason, lambda: wait(reason))
-        return wait(reason)
+    issued work, counted once as a sync at the user's line, with its reason
+    and how long it waited (torchtpu.metrics.sync_report, the advisor)."""
+    line = errors.user_line()
+    with profiling.span(lambda: f"torchtpu sync ({reason}) at {line}"):
+        start = time.perf_counter()
+        try:
+            return wait(reason)
+        finally:
+            metrics.note_sync(line, reason, time.perf_counter() - start)
 
 
 def sync(reason="sync"):
