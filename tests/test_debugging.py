@@ -320,6 +320,25 @@ def test_each_sync_is_counted_once_with_its_reason(mode):
     metrics.reset()
 
 
+def test_advisor_does_not_call_building_a_model_churn(monkeypatch):
+    """A model of many parameter shapes and its Adam state compile one
+    kernel per shape, once, before and in the first step: not churn."""
+    monkeypatch.setattr(advisor, "ON", True)
+    metrics.reset()
+    with torchtpu.eager_mode("strict"):
+        widths = [3 + i for i in range(advisor.CHURN_KERNELS + 2)]
+        model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])]).to("tpu")
+        opt = torch.optim.Adam(model.parameters())
+        x = torch.randn(2, widths[0]).to("tpu")
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    assert metrics.M.steps == 3
+    assert "Shape churn" not in advisor.summary()
+    metrics.reset()
+
+
 def test_advisor_off_adds_nothing(monkeypatch):
     monkeypatch.setattr(advisor, "ON", False)
     assert "advisor" not in metrics.report()

@@ -30,9 +30,10 @@ class _State:
 
     def reset(self):
         self.fallback_lines = {}                 # op -> first user line
-        self.kernels = collections.Counter()     # op -> kernels compiled
-        self.churn_lines = {}                    # op -> line at the threshold
-        self.churn_shapes = collections.defaultdict(list)  # op -> first argument's shapes
+        # Keyed by (after the first optimizer step?, op):
+        self.kernels = collections.Counter()     # kernels compiled
+        self.churn_lines = {}                    # the line at the threshold
+        self.churn_shapes = collections.defaultdict(list)  # the first argument's shapes
         self.grown_cuts = collections.Counter()  # (op, line, dim, bucket) -> count
 
 
@@ -56,12 +57,16 @@ def note_fallback(op):
 
 def note_new_kernel(op, shape=None):
     """A new kernel was built for op (a cache miss: new shapes/arguments);
-    shape: its first whole tensor argument's, which says which dim churns."""
-    n = S.kernels[op] = S.kernels[op] + 1
+    shape: its first whole tensor argument's, which says which dim churns.
+    Counted apart before and after the first optimizer step: a program that
+    trains makes one kernel per parameter shape while it builds its model
+    and optimizer state, once, which is not churn."""
+    key = (metrics.M.steps > 0, op)
+    n = S.kernels[key] = S.kernels[key] + 1
     if shape is not None and n <= CHURN_KERNELS:
-        S.churn_shapes[op].append(shape)
+        S.churn_shapes[key].append(shape)
     if n == CHURN_KERNELS:
-        S.churn_lines[op] = errors.user_line(sys._getframe(1))
+        S.churn_lines[key] = errors.user_line(sys._getframe(1))
 
 
 def _bucket_hint(shapes):
@@ -122,14 +127,17 @@ def summary():
         for op, n in sorted(fallbacks.items(), key=lambda kv: -kv[1])[:8]:
             line = S.fallback_lines.get(op, "<unknown>")
             out.append(f"    {op}: {n} calls, first at {_short(line)}")
-    churn = [(op, n) for op, n in S.kernels.items() if n >= CHURN_KERNELS]
+    # In a program that trains, only what compiles after its first step.
+    trains = metrics.M.steps > 0
+    churn = [(key, n) for key, n in S.kernels.items() if key[0] == trains and n >= CHURN_KERNELS]
     if churn:
-        out.append("  Shape churn (ops compiled again for each new shape; pad or bucket "
-                   "the varying dimension):")
-        for op, n in sorted(churn, key=lambda kv: -kv[1])[:8]:
-            hint = _bucket_hint(S.churn_shapes.get(op, []))
-            out.append(f"    {op}: {n} compilations, churning at "
-                       f"{_short(S.churn_lines.get(op, '<unknown>'))}"
+        out.append("  Shape churn (ops compiled again for each new shape"
+                   + (" after the first training step" if trains else "")
+                   + "; pad or bucket the varying dimension):")
+        for key, n in sorted(churn, key=lambda kv: -kv[1])[:8]:
+            hint = _bucket_hint(S.churn_shapes.get(key, []))
+            out.append(f"    {key[1]}: {n} compilations, churning at "
+                       f"{_short(S.churn_lines.get(key, '<unknown>'))}"
                        + (f"; varying {hint}" if hint else ""))
     again = recompiles.events()
     if again:
