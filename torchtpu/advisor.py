@@ -139,9 +139,11 @@ def summary():
             out.append(f"    {key[1]}: {n} compilations, churning at "
                        f"{_short(S.churn_lines.get(key, '<unknown>'))}"
                        + (f"; varying {hint}" if hint else ""))
-    again = recompiles.events()
+    again = [e[:3] for e in recompiles.events() if e[3] > 0 or not trains]
     if again:
-        out.append(f"  Compiled again ({len(again)}; torchtpu.explain_compiles() lists them all):")
+        out.append(f"  Compiled again ({len(again)}"
+                   + (" after the first training step" if trains else "")
+                   + "; torchtpu.explain_compiles() lists them all):")
         for line, what, why in again[-6:]:
             out.append(f"    {_short(line)}: {what}: {why}")
     if S.grown_cuts:

@@ -153,7 +153,7 @@ def _note(what, difference, new_text, again, line=None):
     (an op's kernel for new arguments, a graph at a line that had one)."""
     line = line or errors.user_line()
     if difference is not None:
-        _events.append((line, what, "; ".join(difference)))
+        _events.append((line, what, "; ".join(difference), metrics.M.steps))
     if getattr(_local, "depth", 0) > 0 or (_ALWAYS and again):
         because = ("it differs from the nearest earlier one in " + "; ".join(difference)
                    if difference is not None else "nothing like it was compiled before")
@@ -162,7 +162,8 @@ def _note(what, difference, new_text, again, line=None):
 
 
 def events():
-    """(line, what, why) of each compilation again, oldest first."""
+    """(line, what, why, training steps done then) of each compilation
+    again, oldest first."""
     return list(_events)
 
 
@@ -172,7 +173,7 @@ def explain_compiles():
     user's line and what differs."""
     if not _events:
         return "torchtpu: nothing compiled again"
-    return "\n".join(f"{line}: {what}: {why}" for line, what, why in _events)
+    return "\n".join(f"{line}: {what}: {why}" for line, what, why, _ in _events)
 
 
 metrics.register_provider(lambda: {"recompiles": len(_events)}, _events.clear)
