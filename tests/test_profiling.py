@@ -97,3 +97,20 @@ def test_the_sync_report_names_each_sync_per_step(mode):
     assert f"test_profiling.py:{loss_line}: item x5 (1.0 per step), waited " in report
     assert f"test_profiling.py:{weight_line}: item x10 (2.0 per step), waited " in report
     assert "waiting for the device: " in report
+
+
+def test_the_report_holds_what_a_bug_report_needs(tmp_path):
+    x = torch.randn(3, 3).to("tpu")
+    (x @ x).sum().item()
+    text = torchtpu.report()
+    for part in ("torchtpu report", f"torch {torch.__version__}", "platform cpu: ",
+                 "tpu:0 = ", "eager mode ", "float32 matmul precision highest", "cache:",
+                 "metrics:", "ops dispatched", "syncs:", "torchtpu syncs: ", "memory:",
+                 "MiB allocated"):
+        assert part in text, part
+    env = dict(os.environ, TORCHTPU_CACHE_DIR=str(tmp_path / "cache"), TORCHTPU_EAGER_MODE="fused")
+    out = subprocess.run([sys.executable, "-m", "torchtpu", "report"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "eager mode fused" in out.stdout and "TORCHTPU_EAGER_MODE=fused" in out.stdout
+    assert f"disk cache {tmp_path / 'cache'}: " in out.stdout

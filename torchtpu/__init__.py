@@ -51,11 +51,14 @@ from .background import wait as wait_for_compiles  # noqa: E402
 from .recompiles import RecompileError, explain_compiles, no_recompiles  # noqa: E402
 from .tensor import TpuTensor  # noqa: E402
 from .kernels import custom_jax_kernel  # noqa: E402
+from .reporting import report  # noqa: E402
 # `%load_ext torchtpu` in IPython: the %tpu_mode and %tpu_metrics magics.
 from .ipython import load_ipython_extension  # noqa: E402,F401
 
-__all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "set_check_nans", "sync",
-           "wait_for_compiles", "explain_compiles", "no_recompiles", "RecompileError", "TpuTensor", "metrics", "cache", "custom_jax_kernel"]
 __version__ = "0.1.0"
+
+__all__ = ["get_device", "eager_mode", "get_eager_mode", "set_eager_mode", "set_check_nans", "sync",
+           "wait_for_compiles", "explain_compiles", "report", "no_recompiles", "RecompileError",
+           "TpuTensor", "metrics", "cache", "custom_jax_kernel"]
 
 cache.start_prefetch()  # loads, on a thread, what the last run's start-up loaded
