@@ -114,3 +114,20 @@ def test_the_report_holds_what_a_bug_report_needs(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "eager mode fused" in out.stdout and "TORCHTPU_EAGER_MODE=fused" in out.stdout
     assert f"disk cache {tmp_path / 'cache'}: " in out.stdout
+
+
+def test_the_memory_snapshot_names_the_line_of_the_largest_tensor(mode):
+    torch.tpu.memory._record_memory_history()
+    try:
+        big = torch.zeros(300, 400, device="tpu") + 1
+        big_line = sys._getframe().f_lineno - 1
+        small = torch.ones(7, device="tpu") * 3
+        snap = torch.tpu.memory_snapshot()
+        assert snap[0] == {"bytes": 300 * 400 * 4, "shape": (300, 400), "dtype": "float32",
+                           "device": 0, "line": f"{__file__}:{big_line}"}
+        assert any(e["shape"] == (7,) and e["line"] != "<not recorded>" for e in snap)
+        del big
+        assert all(e["shape"] != (300, 400) for e in torch.tpu.memory_snapshot())
+        assert small.sum().item() == 21.0
+    finally:
+        torch.tpu.memory._record_memory_history(enabled=None)

@@ -60,6 +60,7 @@ def _module():
     mod.is_bf16_supported = properties.is_bf16_supported
     for name in memory.NAMES:
         setattr(mod, name, getattr(memory, name))
+    mod.memory = memory  # torch.tpu.memory._record_memory_history(), as torch.cuda.memory's
     for name in streams.NAMES:
         setattr(mod, name, getattr(streams, name))
     for name in graphs.NAMES:

@@ -10,6 +10,7 @@ issued work (fused mode: runs the pending ops), so that the figures count
 exactly the tensors alive.
 """
 import collections
+import weakref
 
 import jax
 
@@ -162,6 +163,41 @@ def mem_get_info(device=None):
     return properties.host_memory()
 
 
+def _record_memory_history(enabled="all", context="all", stacks="all", max_entries=None, **kwargs):
+    """Note the user's line that makes each tensor's storage from now on
+    (torch.cuda.memory._record_memory_history's switch: enabled=None turns
+    it off); torch.tpu.memory_snapshot() lists them. It costs a stack walk
+    per op while on."""
+    from . import tensor
+    if enabled is None:
+        tensor.CREATION_LINES = None
+    elif tensor.CREATION_LINES is None:
+        tensor.CREATION_LINES = weakref.WeakKeyDictionary()
+
+
+def memory_snapshot(device=None):
+    """The tensors' storages alive on the device (every device: None), the
+    largest first, each a dict of bytes, shape, dtype, device and the line
+    that made it ("<not recorded>" for those made while
+    _record_memory_history was off). A sync point."""
+    from . import tensor
+    index = None if device is None else properties.checked_index(device)
+    _settle()
+    lines = tensor.CREATION_LINES if tensor.CREATION_LINES is not None else {}
+    recorded = {}
+    for storage, line in list(lines.items()):
+        array = storage.array
+        if isinstance(array, jax.Array) and not array.is_deleted():
+            recorded[id(array)] = (storage, line)
+    out = []
+    for array in live_arrays(index):
+        storage, line = recorded.get(id(array), (None, "<not recorded>"))
+        out.append({"bytes": array.nbytes, "shape": tuple(array.shape), "dtype": str(array.dtype),
+                    "device": storage.device if storage is not None else index, "line": line})
+    out.sort(key=lambda e: -e["bytes"])
+    return out
+
+
 def empty_cache():
     """Nothing to release: XLA frees an array's memory when its last tensor
     goes, and torchtpu keeps no cache of freed blocks."""
@@ -170,4 +206,5 @@ def empty_cache():
 NAMES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
          "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
          "reset_accumulated_memory_stats", "memory_stats", "memory_summary", "mem_get_info",
-         "empty_cache", "memory_cached", "max_memory_cached")
+         "empty_cache", "memory_cached", "max_memory_cached", "memory_snapshot",
+         "_record_memory_history")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import runtime
+from . import errors, runtime
 
 # tpu:N for each device index (a tensor's device is its storage's).
 DEVICES = [torch.device("tpu", i) for i in range(len(runtime.DEVICES))]
@@ -61,6 +61,11 @@ class Lost:
         raise self.exception()
 
 
+# While torch.tpu.memory._record_memory_history() is on: each storage made
+# since -> the user's line that made it (torch.tpu.memory_snapshot()).
+CREATION_LINES = None
+
+
 class Storage:
     """The shared data of a tensor and its views: a JAX array (a Pending or
     Lost value) on device tpu:`device`."""
@@ -71,6 +76,8 @@ class Storage:
         self.device = device
         if type(array) is Pending:
             array.owner = weakref.ref(self)
+        if CREATION_LINES is not None:
+            CREATION_LINES[self] = errors.user_line()
 
     def assign(self, array):
         """Replace the data (a write through any view of this storage)."""
