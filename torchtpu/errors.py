@@ -170,6 +170,27 @@ def note_fused_graph(e, g, reason, lines=None):
         pass
 
 
+# memory_holders() -> text naming the largest live tensors (torchtpu.memory
+# registers it: out-of-memory errors name them).
+_memory_holders = [lambda: ""]
+
+
+def register_memory_holders(fn):
+    _memory_holders[0] = fn
+
+
+def _out_of_memory(e, msg):
+    """A device allocation that failed (XLA's RESOURCE_EXHAUSTED) raises
+    torch.OutOfMemoryError, as CUDA's does, naming what holds the memory."""
+    if "RESOURCE_EXHAUSTED" not in str(e):
+        return None
+    try:
+        holders = _memory_holders[0]()
+    except Exception:  # the message must come out whatever else fails
+        holders = ""
+    return torch.OutOfMemoryError(msg.rstrip(".") + (f". {holders}" if holders else ""))
+
+
 def _translate(e, func, args, kwargs):
     in_jax, in_lowering = _origin(e.__traceback__)
     # JAX's C++ fast path raises runtime errors without any JAX frame.
@@ -184,12 +205,13 @@ def _translate(e, func, args, kwargs):
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         msg = (f"torchtpu: a fused graph of {len(names)} ops ({shown}) failed at a sync "
                f"point ({graph.reason}): {what}")
-        return RuntimeError(msg)
+        return _out_of_memory(e, msg) or RuntimeError(msg)
     if isinstance(e, _TRACER_ERRORS):
         return RuntimeError(f"torchtpu: {call}: its tpu lowering depends on tensor values, "
                             f"which are not known while tracing (a torchtpu bug): {what}")
     if on_device:
-        return RuntimeError(f"torchtpu: {call} failed on the device: {what}")
+        msg = f"torchtpu: {call} failed on the device: {what}"
+        return _out_of_memory(e, msg) or RuntimeError(msg)
     cls = next((c for c in _PYTORCH_TYPES if isinstance(e, c)), RuntimeError)
     return cls(f"torchtpu: {call} failed in its tpu lowering (a torchtpu bug; "
                f"TORCHTPU_FULL_TRACEBACK=1 shows where): {what}")

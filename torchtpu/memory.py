@@ -14,7 +14,7 @@ import weakref
 
 import jax
 
-from . import properties, runtime
+from . import errors, properties, runtime
 
 # Per device index: the peak since the last reset, as this module has seen
 # it, and the platform's own peak at that reset (its peak cannot be reset).
@@ -196,6 +196,25 @@ def memory_snapshot(device=None):
                     "device": storage.device if storage is not None else index, "line": line})
     out.sort(key=lambda e: -e["bytes"])
     return out
+
+
+def _holders_text(most=5):
+    """The largest live device buffers, with the lines that made them where
+    recorded (no sync: an out-of-memory error is being raised)."""
+    from . import tensor
+    lines = {}
+    if tensor.CREATION_LINES is not None:
+        lines = {id(s.array): line for s, line in list(tensor.CREATION_LINES.items())}
+    arrays = sorted(jax.live_arrays(runtime.PLATFORM), key=lambda a: -a.nbytes)[:most]
+    if not arrays:
+        return ""
+    held = [f"{a.nbytes / 2**20:.1f} MiB {a.dtype}{list(a.shape)}"
+            + (f" made at {lines[id(a)]}" if id(a) in lines else "") for a in arrays]
+    hint = "" if lines else " (torch.tpu.memory._record_memory_history() names their lines)"
+    return "The largest live tensors: " + "; ".join(held) + hint
+
+
+errors.register_memory_holders(_holders_text)
 
 
 def empty_cache():

@@ -1,12 +1,13 @@
-"""torch.profiler shows torchtpu's work: beside the aten ops, ranges for each
-upload, sync, fused flush and graph run (and each compile), naming the reason
-and the user's line."""
+"""Where the time and the memory go: torch.profiler's ranges for torchtpu's
+work (uploads, syncs, fused flushes and graph runs, compiles), the sync
+report, the memory snapshot, out-of-memory errors and the report."""
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -94,8 +95,8 @@ def test_the_sync_report_names_each_sync_per_step(mode):
         weight_line = sys._getframe().f_lineno - 1
     report = torchtpu.metrics.sync_report()
     assert report.startswith("torchtpu syncs: 15 in 5 training steps (3.0 per step)")
-    assert f"test_profiling.py:{loss_line}: item x5 (1.0 per step), waited " in report
-    assert f"test_profiling.py:{weight_line}: item x10 (2.0 per step), waited " in report
+    assert f"test_observability.py:{loss_line}: item x5 (1.0 per step), waited " in report
+    assert f"test_observability.py:{weight_line}: item x10 (2.0 per step), waited " in report
     assert "waiting for the device: " in report
 
 
@@ -131,3 +132,31 @@ def test_the_memory_snapshot_names_the_line_of_the_largest_tensor(mode):
         assert small.sum().item() == 21.0
     finally:
         torch.tpu.memory._record_memory_history(enabled=None)
+
+
+_EXHAUSTING = textwrap.dedent("""
+    import resource, sys, torch, torchtpu
+    # (A cap on the address space: the allocation fails at once, whatever
+    # the machine's overcommit policy.)
+    resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))
+    torchtpu.set_eager_mode(sys.argv[1])
+    torch.tpu.memory._record_memory_history()
+    kept = torch.zeros(500, 500, device="tpu") + 1
+    try:
+        huge = torch.ones(2 ** 36, device="tpu") * 2
+        print(huge.sum().item())
+    except torch.OutOfMemoryError as e:
+        print("OOM", e)
+    print("after", kept.sum().item())
+""")
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_running_out_of_device_memory_raises_torchs_error_naming_the_holders(mode):
+    out = subprocess.run([sys.executable, "-c", _EXHAUSTING, mode], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, TORCHTPU_CACHE_DIR="off"))
+    assert out.returncode == 0, out.stderr
+    oom = next(line for line in out.stdout.splitlines() if line.startswith("OOM "))
+    assert "RESOURCE_EXHAUSTED" in oom
+    assert "The largest live tensors: 1.0 MiB float32[500, 500] made at <string>:" in oom
+    assert "after 250000.0" in out.stdout  # nothing else lost
