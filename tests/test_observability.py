@@ -160,3 +160,21 @@ def test_running_out_of_device_memory_raises_torchs_error_naming_the_holders(mod
     assert "RESOURCE_EXHAUSTED" in oom
     assert "The largest live tensors: 1.0 MiB float32[500, 500] made at <string>:" in oom
     assert "after 250000.0" in out.stdout  # nothing else lost
+
+
+def test_a_device_trace_names_the_graphs_and_torchtpus_ranges(tmp_path):
+    with torchtpu.eager_mode("fused"):
+        model = torch.nn.Linear(8, 4).to("tpu")
+        x = torch.randn(16, 8).to("tpu")
+        for _ in range(3):
+            model(x).sum().item()
+        with torchtpu.profiler.trace(tmp_path):
+            model(x).sum().item()
+            line = sys._getframe().f_lineno - 1
+    import jax
+    (path,) = tmp_path.glob("plugins/profile/*/*.xplane.pb")
+    names = {ev.name for plane in jax.profiler.ProfileData.from_file(str(path)).planes
+             for row in plane.lines for ev in row.events}
+    assert any("tpu_fused_" in n for n in names), names
+    assert f"torchtpu flush (item): 2 ops at {__file__}:{line}" in names
+    assert any(n.startswith("torchtpu sync (profiler) at ") and __file__ in n for n in names)

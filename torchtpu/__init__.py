@@ -52,6 +52,7 @@ from .recompiles import RecompileError, explain_compiles, no_recompiles  # noqa:
 from .tensor import TpuTensor  # noqa: E402
 from .kernels import custom_jax_kernel  # noqa: E402
 from .reporting import report  # noqa: E402
+from . import profiler  # noqa: E402,F401  (torchtpu.profiler.trace)
 # `%load_ext torchtpu` in IPython: the %tpu_mode and %tpu_metrics magics.
 from .ipython import load_ipython_extension  # noqa: E402,F401
 

@@ -17,6 +17,7 @@ TORCHTPU_FULL_TRACEBACK=1 keeps everything.
 Which arguments of which ops are indices, and how an out-of-range one is
 reported, is torchtpu.bounds's; the NaN/Inf checks are torchtpu.modes.checks's.
 """
+import contextlib
 import os
 import sys
 import typing
@@ -36,7 +37,10 @@ try:
     _JAX = (_dir(jax), _dir(jaxlib))
 except ImportError:  # pragma: no cover
     _JAX = (_dir(jax),)
-_SKIP = (_dir(torch), os.path.dirname(os.path.abspath(__file__)) + os.sep) + _JAX
+# (contextlib's frames stand between a with block and torchtpu's context
+# managers: the user's line is the block's.)
+_SKIP = (_dir(torch), os.path.dirname(os.path.abspath(__file__)) + os.sep,
+         os.path.abspath(contextlib.__file__)) + _JAX
 _OPS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops") + os.sep
 _KERNEL_BUILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatch", "build.py")
 _TRACER_ERRORS = tuple(getattr(jax.errors, n) for n in (
