@@ -765,24 +765,3 @@ def test_executables_reloaded_after_clear_run(tmp_path, mode):
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "OK" in proc.stdout
 
-
-def test_a_write_past_the_limit_evicts_the_least_recently_used_entries(monkeypatch, tmp_path):
-    """On real files: entries past TORCHTPU_CACHE_MAX_BYTES go oldest first,
-    where a read makes an entry new again; each goes whole (entry and
-    check), and an evicted entry reads as a miss."""
-    monkeypatch.setenv("TORCHTPU_CACHE_MAX_BYTES", "10K")
-    d = tmp_path / "c"
-    d.mkdir(mode=0o700)
-    disk = cache.open_disk(str(d), read_only=False)
-    before = cache.STATS.disk_evicted
-    for i in range(3):
-        disk.put(f"k{i}", bytes([i]) * 3000)
-        time.sleep(0.02)  # (distinct modification times)
-    assert disk.get("k0") == bytes([0]) * 3000  # k0 is now the most recent
-    time.sleep(0.02)
-    disk.put("k3", b"3" * 3000)  # past 10 KiB: k1, then k2 go (down to 80%)
-    left = sorted(n for n in os.listdir(d) if n.endswith((cache.ENTRY_SUFFIX, cache.CHECK_SUFFIX)))
-    assert left == ["k0-cache", "k0-check", "k3-cache", "k3-check"]
-    assert disk.get("k1") is None and disk.get("k3") == b"3" * 3000
-    assert cache.STATS.disk_evicted - before == 2
-    assert cache._main(["info", "--dir", str(d)]) == 0
