@@ -552,28 +552,9 @@ def _subgraph(g, needed):
     at = {}          # g's node index -> the sub-graph's
     mine = {Input: {}, Scalar: {}}  # g's Input or Scalar -> the sub-graph's
     renamed = {}
-
-    def rename(r):
-        kind = type(r)
-        if kind is Result:
-            return Result(at[r.node], r.index)
-        if kind is Fenced:
-            return Fenced(rename(r.ref), None if r.anchor is None else rename(r.anchor))
-        ref = mine[kind].get(r)
-        if ref is None:
-            if kind is Input:
-                ref = Input(len(sub.inputs))
-                sub.inputs.append(g.inputs[r.index])
-                sub.input_owners.append(g.input_owners[r.index])
-            else:
-                ref = Scalar(len(sub.scalars))
-                sub.scalars.append(g.scalars[r.index])
-            mine[kind][r] = ref
-        return ref
-
     for ni in needed:
         kernel, refs = g.nodes[ni]
-        new = tuple([rename(r) for r in refs])
+        new = tuple([_moved_ref(r, g, sub, at, mine) for r in refs])
         at[ni] = len(sub.nodes)
         sub.nodes.append((kernel, new))
         if ni in g.recomputed:
@@ -583,6 +564,29 @@ def _subgraph(g, needed):
         if ni in at:
             renamed[p.ref] = Result(at[ni], p.ref.index)
     return sub, renamed
+
+
+def _moved_ref(r, g, sub, at, mine):
+    """g's ref r as the sub-graph's (_subgraph). Not a closure: one that
+    calls itself is a reference cycle, which would keep the sub-graph's
+    inputs alive (and so not donatable) until the next garbage collection."""
+    kind = type(r)
+    if kind is Result:
+        return Result(at[r.node], r.index)
+    if kind is Fenced:
+        return Fenced(_moved_ref(r.ref, g, sub, at, mine),
+                      None if r.anchor is None else _moved_ref(r.anchor, g, sub, at, mine))
+    ref = mine[kind].get(r)
+    if ref is None:
+        if kind is Input:
+            ref = Input(len(sub.inputs))
+            sub.inputs.append(g.inputs[r.index])
+            sub.input_owners.append(g.input_owners[r.index])
+        else:
+            ref = Scalar(len(sub.scalars))
+            sub.scalars.append(g.scalars[r.index])
+        mine[kind][r] = ref
+    return ref
 
 
 def _without_dead_nodes(g, live):
