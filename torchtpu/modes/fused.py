@@ -121,7 +121,7 @@ class _Graph:
         self.collectives = 0   # collective nodes among them
         self.mesh = None       # the devices its collectives span
         self.recomputed = set()  # nodes recorded while a backward pass recomputes a forward
-        self.anchor = None     # the Result of the last node a backward pass recorded
+        self.anchor = None     # the last node a backward pass recorded (its first output)
 
 
 class GraphEntry(typing.NamedTuple):
@@ -203,7 +203,7 @@ class FusedExecutor(StrictExecutor):
             if torch.is_grad_enabled():
                 refs = _fenced(g, refs, ni)
             elif outs_aval or written_aval:
-                g.anchor = Result(ni, 0)
+                g.anchor = ni
         g.nodes.append((kernel, tuple(refs)))
         if len(outs_aval) == 1 and not written_aval:
             # Most ops: one result.
@@ -211,12 +211,12 @@ class FusedExecutor(StrictExecutor):
             out = Pending(a.shape, a.dtype, FIRST_RESULTS[ni] if ni < len(FIRST_RESULTS) else first_result(ni))
             g.outputs.append(out)
             return (out,), ()
-        outs = [Pending(a.shape, a.dtype, Result(ni, j)) for j, a in enumerate(outs_aval)]
+        outs = [Pending(a.shape, a.dtype, record(Result, (ni, j))) for j, a in enumerate(outs_aval)]
         g.outputs += outs
         if not written_aval:
             return outs, ()
         k = len(outs)
-        written = [Pending(a.shape, a.dtype, Result(ni, k + j)) for j, a in enumerate(written_aval)]
+        written = [Pending(a.shape, a.dtype, record(Result, (ni, k + j))) for j, a in enumerate(written_aval)]
         g.outputs += written
         return outs, written
 
@@ -511,7 +511,8 @@ def _fenced(g, refs, ni):
     outside the recomputation (the graph's inputs, the forward's results)
     read through a fence."""
     g.recomputed.add(ni)
-    recomputed, anchor = g.recomputed, g.anchor
+    recomputed = g.recomputed
+    anchor = None if g.anchor is None else Result(g.anchor, 0)
     return [Fenced(r, anchor) if type(r) is Input or (type(r) is Result and r.node not in recomputed)
             else r for r in refs]
 
