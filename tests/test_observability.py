@@ -105,7 +105,7 @@ def test_the_report_holds_what_a_bug_report_needs(tmp_path):
     (x @ x).sum().item()
     text = torchtpu.report()
     for part in ("torchtpu report", f"torch {torch.__version__}", "platform cpu: ",
-                 "tpu:0 = ", "eager mode ", "float32 matmul precision highest", "cache:",
+                 "tpu:0 = ", "eager mode ", "float32 matmuls at XLA's HIGHEST precision", "cache:",
                  "metrics:", "ops dispatched", "syncs:", "torchtpu syncs: ", "memory:",
                  "MiB allocated"):
         assert part in text, part

@@ -131,3 +131,29 @@ def test_a_compile_for_a_new_setting_says_so(precision):
         with pytest.raises(torchtpu.RecompileError, match="float32 matmul precision HIGHEST -> DEFAULT"):
             with torchtpu.no_recompiles():
                 (a @ a.T).cpu()
+
+
+_NEWER_SPELLING = textwrap.dedent("""
+    import torch, torchtpu
+    from torchtpu.ops import precision_setting
+    a = torch.randn(4, 4)
+    t = a.to("tpu")
+    seen = []
+    for spell in ("torch.backends.cuda.matmul.fp32_precision = 'tf32'",
+                  "torch.backends.cuda.matmul.fp32_precision = 'ieee'",
+                  "torch.backends.cuda.matmul.allow_tf32 = True",
+                  "torch.backends.fp32_precision = 'tf32'"):
+        exec(spell)
+        torch.testing.assert_close((t @ t).cpu(), a @ a)  # no error, CPU's values
+        seen.append(precision_setting().name)
+    print(seen)
+""")
+
+
+def test_pytorchs_newer_spelling_is_read_too():
+    """torch.backends.*.fp32_precision (after which PyTorch's legacy getter
+    raises) sets the precision as well, and matmuls keep working."""
+    out = subprocess.run([sys.executable, "-c", _NEWER_SPELLING], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, TORCHTPU_CACHE_DIR="off"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "['HIGH', 'HIGHEST', 'HIGH', 'HIGH']"

@@ -11,6 +11,7 @@ import torch
 
 from . import cache, config, metrics, modes, runtime
 from .memory import max_memory_allocated, memory_allocated
+from .ops import precision_setting
 
 
 def _versions():
@@ -30,8 +31,8 @@ def _devices():
 
 def _settings():
     set_vars = [f"{name}={os.environ[name]}" for name in config.VARIABLES if os.environ.get(name)]
-    return [f"eager mode {modes.get_eager_mode()}; float32 matmul precision "
-            f"{torch.get_float32_matmul_precision()}",
+    return [f"eager mode {modes.get_eager_mode()}; float32 matmuls at XLA's "
+            f"{precision_setting().name} precision",
             "set: " + (" ".join(set_vars) if set_vars else "no TORCHTPU_* variable")]
 
 

@@ -88,7 +88,26 @@ _PRECISIONS = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH,
                "medium": lax.Precision.DEFAULT}
 
 
+# PyTorch's newer spelling (torch.backends.cuda.matmul.fp32_precision, and
+# torch.backends.fp32_precision above it): once used, the legacy getter raises.
+_NEW_SPELLING = {"tf32": "high", "bf16": "medium", "ieee": "highest"}
+
+
+def _newer_setting():
+    matmul = getattr(getattr(torch.backends, "cuda", None), "matmul", None)
+    value = getattr(matmul, "fp32_precision", "none")
+    if value == "none":
+        value = getattr(torch.backends, "fp32_precision", "none")
+    return _NEW_SPELLING.get(value, "highest")
+
+
 def precision_setting():
     """The lax.Precision the user's float32 matmul precision asks for (read
-    per call: changing it takes effect at the next op)."""
-    return _PRECISIONS.get(torch.get_float32_matmul_precision(), lax.Precision.HIGHEST)
+    per call: changing it takes effect at the next op), set either way
+    PyTorch offers: torch.set_float32_matmul_precision("high") or
+    torch.backends.cuda.matmul.fp32_precision = "tf32"."""
+    try:
+        setting = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the two spellings mixed: PyTorch refuses to answer
+        setting = _newer_setting()
+    return _PRECISIONS.get(setting, lax.Precision.HIGHEST)
