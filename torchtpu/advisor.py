@@ -12,7 +12,6 @@ the line of each sync point (a sync costs far more than the stack walk).
 """
 import atexit
 import collections
-import os
 import sys
 import time
 
@@ -110,12 +109,6 @@ def _print_at_exit():
         print(summary(), file=sys.stderr)
 
 
-def _short(line):
-    """'dir/file.py:12' -> 'file.py:12' for long paths (still unambiguous enough)."""
-    path, _, lineno = line.rpartition(":")
-    return f"{os.path.basename(path) or path}:{lineno}" if path else line
-
-
 def summary():
     """The advisor's text: at most a few lines per finding."""
     snap = metrics.snapshot()
@@ -126,7 +119,7 @@ def summary():
                    "a lowering would keep them on the device):")
         for op, n in sorted(fallbacks.items(), key=lambda kv: -kv[1])[:8]:
             line = S.fallback_lines.get(op, "<unknown>")
-            out.append(f"    {op}: {n} calls, first at {_short(line)}")
+            out.append(f"    {op}: {n} calls, first at {metrics.short_line(line)}")
     # In a program that trains, only what compiles after its first step.
     trains = metrics.M.steps > 0
     churn = [(key, n) for key, n in S.kernels.items() if key[0] == trains and n >= CHURN_KERNELS]
@@ -137,7 +130,7 @@ def summary():
         for key, n in sorted(churn, key=lambda kv: -kv[1])[:8]:
             hint = _bucket_hint(S.churn_shapes.get(key, []))
             out.append(f"    {key[1]}: {n} compilations, churning at "
-                       f"{_short(S.churn_lines.get(key, '<unknown>'))}"
+                       f"{metrics.short_line(S.churn_lines.get(key, '<unknown>'))}"
                        + (f"; varying {hint}" if hint else ""))
     again = [e[:3] for e in recompiles.events() if e[3] > 0 or not trains]
     if again:
@@ -145,12 +138,12 @@ def summary():
                    + (" after the first training step" if trains else "")
                    + "; torchtpu.explain_compiles() lists them all):")
         for line, what, why in again[-6:]:
-            out.append(f"    {_short(line)}: {what}: {why}")
+            out.append(f"    {metrics.short_line(line)}: {what}: {why}")
     if S.grown_cuts:
         out.append("  Growing tensors read whole (torch.cat in a loop; the op that reads one "
                    "compiles for each length, where cat, views and attention use its bucket):")
         for (op, line, dim, bucket), n in S.grown_cuts.most_common(6):
-            out.append(f"    {op} at {_short(line)}: dim {dim}, {n} times; its bucket is {bucket}")
+            out.append(f"    {op} at {metrics.short_line(line)}: dim {dim}, {n} times; its bucket is {bucket}")
     graphs = snap.get("graphs_compiled", 0)
     hits = snap.get("graph_cache_hits", 0)
     if graphs >= CHURN_KERNELS and graphs > hits:
@@ -169,7 +162,7 @@ def summary():
             out.append(f"  Sync points: {total}; each waits for the device:")
         for (line, reason), (n, _) in sorted(syncs.items(), key=lambda kv: -kv[1][0])[:6]:
             per = f" ({n / steps:.1f} per step)" if steps else ""
-            out.append(f"    {_short(line)}: {reason} x{n}{per}")
+            out.append(f"    {metrics.short_line(line)}: {reason} x{n}{per}")
     compile_s = snap.get("compile_seconds", 0.0) + snap.get("graph_build_seconds", 0.0)
     out.append(f"  Time: compile {compile_s:.2f} s ({snap.get('compilations', 0)} compilations), "
                f"execute (waiting at sync points) {metrics.M.sync_seconds:.2f} s, "

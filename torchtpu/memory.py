@@ -175,20 +175,25 @@ def _record_memory_history(enabled="all", context="all", stacks="all", max_entri
         tensor.CREATION_LINES = weakref.WeakKeyDictionary()
 
 
+def _recorded():
+    """id(array) -> (its storage, the line that made it), for the storages
+    made while recording whose array is a live device buffer."""
+    from . import tensor
+    lines = tensor.CREATION_LINES
+    if lines is None:
+        return {}
+    return {id(s.array): (s, line) for s, line in list(lines.items())
+            if isinstance(s.array, jax.Array) and not s.array.is_deleted()}
+
+
 def memory_snapshot(device=None):
     """The tensors' storages alive on the device (every device: None), the
     largest first, each a dict of bytes, shape, dtype, device and the line
     that made it ("<not recorded>" for those made while
     _record_memory_history was off). A sync point."""
-    from . import tensor
     index = None if device is None else properties.checked_index(device)
     _settle()
-    lines = tensor.CREATION_LINES if tensor.CREATION_LINES is not None else {}
-    recorded = {}
-    for storage, line in list(lines.items()):
-        array = storage.array
-        if isinstance(array, jax.Array) and not array.is_deleted():
-            recorded[id(array)] = (storage, line)
+    recorded = _recorded()
     out = []
     for array in live_arrays(index):
         storage, line = recorded.get(id(array), (None, "<not recorded>"))
@@ -201,16 +206,13 @@ def memory_snapshot(device=None):
 def _holders_text(most=5):
     """The largest live device buffers, with the lines that made them where
     recorded (no sync: an out-of-memory error is being raised)."""
-    from . import tensor
-    lines = {}
-    if tensor.CREATION_LINES is not None:
-        lines = {id(s.array): line for s, line in list(tensor.CREATION_LINES.items())}
+    recorded = _recorded()
     arrays = sorted(jax.live_arrays(runtime.PLATFORM), key=lambda a: -a.nbytes)[:most]
     if not arrays:
         return ""
     held = [f"{a.nbytes / 2**20:.1f} MiB {a.dtype}{list(a.shape)}"
-            + (f" made at {lines[id(a)]}" if id(a) in lines else "") for a in arrays]
-    hint = "" if lines else " (torch.tpu.memory._record_memory_history() names their lines)"
+            + (f" made at {recorded[id(a)][1]}" if id(a) in recorded else "") for a in arrays]
+    hint = "" if recorded else " (torch.tpu.memory._record_memory_history() names their lines)"
     return "The largest live tensors: " + "; ".join(held) + hint
 
 

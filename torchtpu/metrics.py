@@ -42,8 +42,8 @@ def _count_step(optimizer, args, kwargs):
     M.steps += 1
 
 
-def _short(line):
-    """'dir/file.py:12' -> 'file.py:12'."""
+def short_line(line):
+    """'dir/file.py:12' -> 'file.py:12' (still unambiguous enough in a report)."""
     path, _, lineno = line.rpartition(":")
     return f"{os.path.basename(path) or path}:{lineno}" if path else line
 
@@ -62,7 +62,7 @@ def sync_report(most=8):
                    f"({100 * M.sync_seconds / wall if wall else 0:.0f}%; the rest is the host's)"]
     sites = sorted(M.sync_sites.items(), key=lambda kv: -kv[1][0])
     for (line, reason), (n, seconds) in sites[:most]:
-        lines.append(f"  {_short(line)}: {reason} x{n}{per(n)}, waited {seconds:.3f} s")
+        lines.append(f"  {short_line(line)}: {reason} x{n}{per(n)}, waited {seconds:.3f} s")
     if len(sites) > most:
         lines.append(f"  ... and {len(sites) - most} more sites")
     return "\n".join(lines)

@@ -186,7 +186,7 @@ def _run_lowered(plan, args, kwargs):
                     # offset (or, where no offset says it, the exact array).
                     if call is None:
                         call = Call(storages, arrays, slots, (args, kwargs),
-                                     plan.kind != "mutate")
+                                    plan.kind != "mutate")
                     pos_specs.append(arg_spec(call, a, f))
                     continue
             slot = slots.get(storage)
@@ -305,7 +305,7 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
 
 def _results(plan, entry, outs, new_storages, storages, args, kwargs):
     """An op's results as tensors, its written arguments updated."""
-    kernel, out_tdtypes, orders = entry.kernel, entry.out_dtypes, entry.orders
+    kernel, out_meta, out_tdtypes, orders = entry
     if plan.kind == "mutate":
         for slot, arr in zip(kernel.written_slots, new_storages):
             storages[slot].assign(arr)
@@ -315,7 +315,7 @@ def _results(plan, entry, outs, new_storages, storages, args, kwargs):
     device = kernel.device
     if orders is not None:
         wrapped = [TpuTensor(Storage(o, device), m.shape, d, None if p is None else m.stride())
-                   for o, m, d, p in zip(outs, entry.out_meta[0], out_tdtypes, orders)]
+                   for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]
     elif out_tdtypes is not None:
         wrapped = [TpuTensor(Storage(o, device), o.shape, d) for o, d in zip(outs, out_tdtypes)]
     else:

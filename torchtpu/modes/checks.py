@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import bounds, config, errors
-from .refs import Fenced, Input, Result
+from .refs import Result, arguments
 
 
 # ---- the NaN/Inf switch ----------------------------------------------------------
@@ -79,18 +79,7 @@ def replay_for_nan(g):
     op name) of the first op whose outputs hold NaN/Inf, or None."""
     values = {}
     for ni, (kernel, refs) in enumerate(g.nodes):
-        args = []
-        for r in refs:
-            if type(r) is Fenced:
-                r = r.ref  # (op by op, nothing to fence)
-            kind = type(r)
-            if kind is Result:
-                args.append(values[r])
-            elif kind is Input:
-                args.append(g.inputs[r.index])
-            else:
-                args.append(g.scalars[r.index])
-        outs, written = kernel.jitted(*args)
+        outs, written = kernel.jitted(*arguments(refs, values, g.inputs, g.scalars, fence=False))
         produced = tuple(outs) + tuple(written)
         if any_nonfinite(produced):
             return ni, kernel.name

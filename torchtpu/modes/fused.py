@@ -44,12 +44,11 @@ import weakref
 
 import jax
 import torch
-from jax import lax
 
 from .. import bounds, cache, config, errors, metrics, profiling, recompiles
 from . import checks
 from ..tensor import Lost, Pending
-from .refs import FIRST_RESULTS, Fenced, Input, Result, Scalar, first_result, record
+from .refs import FIRST_RESULTS, Fenced, Input, Result, Scalar, arguments, first_result, record
 from .strict import StrictExecutor
 
 
@@ -626,27 +625,13 @@ def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
     Fences are optimization barriers where the nodes are traced into one
     computation (call is _call_traced); op by op, XLA merges nothing."""
     values = {} if values is None else values
+    fence = call is _call_traced
     for ni, (kernel, refs) in enumerate(nodes):
         if until is not None and until.done and until.error is None:
             return None
-        args = []
-        for r in refs:
-            kind = type(r)
-            if kind is Result:
-                args.append(values[r])
-            elif kind is Input:
-                args.append(inputs[r.index])
-            elif kind is Scalar:
-                args.append(scalars[r.index])
-            else:
-                value = values[r.ref] if type(r.ref) is Result else inputs[r.ref.index]
-                if call is _call_traced:
-                    value = (lax.optimization_barrier(value) if r.anchor is None
-                             else lax.optimization_barrier((value, values[r.anchor]))[0])
-                args.append(value)
-        outs, written = call(kernel, args)
+        outs, written = call(kernel, arguments(refs, values, inputs, scalars, fence))
         for j, v in enumerate(tuple(outs) + tuple(written)):
-            values[Result(ni, j)] = v
+            values[record(Result, (ni, j))] = v
     return [values[r] for r in live_refs]
 
 

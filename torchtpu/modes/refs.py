@@ -6,6 +6,8 @@ meet in one key (an op's argument at a given place is always an array or
 always a scalar), and a table holding both keeps them apart by type."""
 import typing
 
+from jax import lax
+
 # A record from a tuple, without NamedTuple's Python-level __new__ (fused
 # mode makes one per recorded result).
 record = tuple.__new__
@@ -49,3 +51,26 @@ class Fenced(typing.NamedTuple):
     before the backward pass reaches it."""
     ref: tuple
     anchor: tuple
+
+
+def arguments(refs, values, inputs, scalars, fence):
+    """A recorded op's arguments from its refs: values (Result -> array) of
+    the ops before it, the graph's inputs and scalars. fence: read Fenced
+    refs through their optimization barriers (where the ops are traced into
+    one computation; op by op, XLA merges nothing)."""
+    args = []
+    for r in refs:
+        kind = type(r)
+        if kind is Result:
+            args.append(values[r])
+        elif kind is Input:
+            args.append(inputs[r.index])
+        elif kind is Scalar:
+            args.append(scalars[r.index])
+        else:
+            value = values[r.ref] if type(r.ref) is Result else inputs[r.ref.index]
+            if fence:
+                value = (lax.optimization_barrier(value) if r.anchor is None
+                         else lax.optimization_barrier((value, values[r.anchor]))[0])
+            args.append(value)
+    return args
