@@ -128,7 +128,7 @@ def test_a_compile_for_a_new_setting_says_so(precision):
     with torchtpu.eager_mode("strict"):
         (a @ a.T).cpu()
         precision("medium")
-        with pytest.raises(torchtpu.RecompileError, match="float32 matmul precision HIGHEST -> DEFAULT"):
+        with pytest.raises(torchtpu.RecompileError, match="float32 matmul precision 'highest' -> 'medium'"):
             with torchtpu.no_recompiles():
                 (a @ a.T).cpu()
 

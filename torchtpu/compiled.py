@@ -37,7 +37,7 @@ from . import bounds, cache, errors, modes
 from .dispatch.build import Kernel, physical_order
 from .dispatch.keys import Const
 from .modes import checks
-from .ops import precision_setting
+from .ops import matmul_setting
 from .modes.strict import StrictExecutor
 from .tensor import Lost, Pending, Storage, TpuTensor, read_view, view_tensor, whole_tensor
 
@@ -135,7 +135,7 @@ def _call_key(args):
         else:
             slots.append(None)
             parts.append(Const(a, type(a)))
-    parts.append(precision_setting())
+    parts.append(matmul_setting())
     return tuple(parts), list(storages), slots
 
 

@@ -10,7 +10,6 @@ issued work (fused mode: runs the pending ops), so that the figures count
 exactly the tensors alive.
 """
 import collections
-import weakref
 
 import jax
 
@@ -169,10 +168,7 @@ def _record_memory_history(enabled="all", context="all", stacks="all", max_entri
     it off); torch.tpu.memory_snapshot() lists them. It costs a stack walk
     per op while on."""
     from . import tensor
-    if enabled is None:
-        tensor.CREATION_LINES = None
-    elif tensor.CREATION_LINES is None:
-        tensor.CREATION_LINES = weakref.WeakKeyDictionary()
+    tensor.record_creation_lines(enabled is not None)
 
 
 def _recorded():

@@ -64,7 +64,7 @@ def _kernel_differences(a, b):
     out = []
     (pa, ka, qa), (pb, kb, qb) = a, b
     if qa != qb:
-        out.append(f"float32 matmul precision {qa.name} -> {qb.name}")
+        out.append(f"float32 matmul precision {qa!r} -> {qb!r}")
     if len(pa) != len(pb):
         out.append(f"{len(pa)} -> {len(pb)} arguments")
     for i, (x, y) in enumerate(zip(pa, pb)):

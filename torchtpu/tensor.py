@@ -66,18 +66,35 @@ class Lost:
 CREATION_LINES = None
 
 
+def record_creation_lines(on):
+    """Note, or stop noting, the user's line that makes each storage. Storage
+    takes an __init__ that notes it only while on: the dispatcher makes a
+    storage for every op, and a check there would cost every op."""
+    global CREATION_LINES
+    if not on:
+        CREATION_LINES = None
+        Storage.__init__ = Storage._init
+    elif CREATION_LINES is None:
+        CREATION_LINES = weakref.WeakKeyDictionary()
+        Storage.__init__ = Storage._init_noting_line
+
+
 class Storage:
     """The shared data of a tensor and its views: a JAX array (a Pending or
     Lost value) on device tpu:`device`."""
     __slots__ = ("array", "device", "__weakref__")
 
-    def __init__(self, array, device=0):
+    def _init(self, array, device=0):
         self.array = array
         self.device = device
         if type(array) is Pending:
             array.owner = weakref.ref(self)
-        if CREATION_LINES is not None:
-            CREATION_LINES[self] = errors.user_line()
+
+    __init__ = _init
+
+    def _init_noting_line(self, array, device=0):
+        self._init(array, device)
+        CREATION_LINES[self] = errors.user_line()
 
     def assign(self, array):
         """Replace the data (a write through any view of this storage)."""

@@ -161,7 +161,7 @@ def build_kernel(plan, pos_specs, kw_specs, n_storages, out_meta, orders=None, d
 
     stable = repr((plan.name, pos_specs, kw_specs, out_dtypes)) + (" checked" if bound else "")
     if precision is not None:
-        stable += f" precision {precision.name}"
+        stable += f" precision {precision}"
     if " at 0x" in stable or getattr(lowering, "process_local", False):
         # Not describable across processes (a user's kernel: its code is not
         # in torchtpu's source digest).

@@ -20,14 +20,14 @@ from torch._decomp import decomposition_table
 
 from .. import advisor, bounds, cache, errors, metrics, modes, recompiles, runtime
 from ..modes import checks
-from ..ops import precision_setting
+from ..ops import matmul_setting
 from ..ops import random as rng
 from ..tensor import (DtypeView, GrownStorage, Lost, Storage, TpuTensor, check_in_storage, contiguous_strides,
                       make_view, storage_dtype, view_tensor, whole_tensor)
 from .host import download, host_values, to_tpu
 from .build import KernelEntry, build_kernel, drop_out_args, physical_order
-from .keys import (Call, TensorArg, arg_spec, device_mismatch, first_device, grown_readable,
-                   kernel_device, offsets_fed, record, whole_shape)
+from .keys import (Call, arg_spec, device_mismatch, first_device, grown_readable, kernel_device,
+                   named, offsets_fed, whole_shape)
 from .meta import flatten, meta_like, meta_outcome, run_meta, unflatten, written_checked
 from .plans import _INDICES, SPECIAL, Plan
 
@@ -195,7 +195,7 @@ def _run_lowered(plan, args, kwargs):
                 storages.append(storage)
                 arrays.append(storage.array if type(storage) is not GrownStorage
                               else storage.read_by(plan.name))
-            pos_specs.append(record(TensorArg, (slot,) + a._key))
+            pos_specs.append((slot,) + a._key)  # a TensorArg's fields (see named)
         else:
             if call is None:
                 call = Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
@@ -210,11 +210,14 @@ def _run_lowered(plan, args, kwargs):
         kw_specs = ()
     # The plan stands for its op in the key: it hashes by identity, in C. A
     # float matrix product's precision is the user's setting at this call.
-    precision = precision_setting() if plan.matmul else None
+    precision = matmul_setting() if plan.matmul else None
     key = (plan, pos_specs, kw_specs, precision)
     entry = cache.lookup(key)
     dynamic = call.dynamic if call is not None else ()
     if entry is None:
+        pos_specs = tuple([named(s) for s in pos_specs])
+        kw_specs = tuple([(k, named(s)) for k, s in kw_specs])
+        key = (plan, pos_specs, kw_specs, precision)
         # Offsets are data: an op met again with its views at new offsets
         # (data[i:i + n] at a moving i) runs one kernel taking them at run time.
         fed = offsets_fed(pos_specs, kw_specs, dynamic)

@@ -22,7 +22,8 @@ record = tuple.__new__
 
 
 class TensorArg(typing.NamedTuple):
-    """A tpu tensor, read through its view."""
+    """A tpu tensor, read through its view. A call's key holds it as a plain
+    tuple of these fields until the call compiles (named)."""
     slot: int           # its storage's index among the call's storages
     dtype: torch.dtype
     shape: tuple
@@ -136,7 +137,20 @@ def _tensor_spec(call, t):
         slot = call.slots[storage] = len(call.storages)
         call.storages.append(storage)
         call.arrays.append(storage.array)
-    return record(TensorArg, (slot,) + t._key)
+    return (slot,) + t._key  # a TensorArg's fields (see named)
+
+
+def named(spec):
+    """spec with each plain tuple in it made the TensorArg it stands for. A
+    tpu tensor's record is made as a plain tuple, its fields, on every op;
+    the two compare and hash alike, so a key of plain tuples finds the entry
+    stored under the records, and only a call that compiles names them."""
+    kind = type(spec)
+    if kind is tuple:
+        return record(TensorArg, spec)
+    if kind is ListArg:
+        return record(ListArg, (tuple([named(s) for s in spec.items]),))
+    return spec
 
 
 def grown_readable(t):
@@ -160,6 +174,11 @@ def _grown_spec(call, t):
     return record(FedArg, (slot, t._key[0], tuple(grown.shape), window, t._key[3]))
 
 
+# One ScalarArg per type, made once (an optimizer's foreach ops take a
+# learning rate or a step size at each call).
+_SCALAR_ARGS = {kind: ScalarArg(kind) for kind in _DYNAMIC_SCALAR_TYPES}
+
+
 def arg_spec(call, value, tensorish):
     """The record of one argument (part of the kernel key)."""
     if isinstance(value, TpuTensor):
@@ -180,7 +199,7 @@ def arg_spec(call, value, tensorish):
         return record(Const, (tuple(value), tuple))
     if tensorish and type(value) in _DYNAMIC_SCALAR_TYPES:
         call.dynamic.append(value)
-        return record(ScalarArg, (type(value),))
+        return _SCALAR_ARGS[type(value)]
     if type(value) is torch.device and value.type == "tpu":
         if value.index is None:
             # "tpu": the current device, which the key must name.

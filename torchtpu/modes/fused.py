@@ -48,7 +48,8 @@ import torch
 from .. import bounds, cache, config, errors, metrics, profiling, recompiles
 from . import checks
 from ..tensor import Lost, Pending
-from .refs import FIRST_RESULTS, Fenced, Input, Result, Scalar, arguments, first_result, record
+from .refs import (FIRST_RESULTS, INPUTS, SCALARS, Fenced, Input, Result, Scalar, arguments,
+                   first_result, numbered, results)
 from .strict import StrictExecutor
 
 
@@ -187,13 +188,15 @@ class FusedExecutor(StrictExecutor):
             if ref is None:
                 if type(x) is Lost:
                     x.fail()
-                ref = input_refs[id(x)] = record(Input, (len(g.inputs),))
+                n = len(g.inputs)
+                ref = input_refs[id(x)] = INPUTS[n] if n < len(INPUTS) else numbered(INPUTS, Input, n)
                 g.inputs.append(x)
                 g.input_owners.append(weakref.ref(storage))
             refs.append(ref)
         if len(flat) > len(storages):
             for x in flat[len(storages):]:
-                refs.append(record(Scalar, (len(g.scalars),)))
+                n = len(g.scalars)
+                refs.append(SCALARS[n] if n < len(SCALARS) else numbered(SCALARS, Scalar, n))
                 g.scalars.append(x)
         outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
         if _graph_task_id() != -1:
@@ -210,12 +213,13 @@ class FusedExecutor(StrictExecutor):
             out = Pending(a.shape, a.dtype, FIRST_RESULTS[ni] if ni < len(FIRST_RESULTS) else first_result(ni))
             g.outputs.append(out)
             return (out,), ()
-        outs = [Pending(a.shape, a.dtype, record(Result, (ni, j))) for j, a in enumerate(outs_aval)]
+        row = results(ni, len(outs_aval) + len(written_aval))
+        outs = [Pending(a.shape, a.dtype, row[j]) for j, a in enumerate(outs_aval)]
         g.outputs += outs
         if not written_aval:
             return outs, ()
         k = len(outs)
-        written = [Pending(a.shape, a.dtype, record(Result, (ni, k + j))) for j, a in enumerate(written_aval)]
+        written = [Pending(a.shape, a.dtype, row[k + j]) for j, a in enumerate(written_aval)]
         g.outputs += written
         return outs, written
 
@@ -630,8 +634,9 @@ def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
         if until is not None and until.done and until.error is None:
             return None
         outs, written = call(kernel, arguments(refs, values, inputs, scalars, fence))
-        for j, v in enumerate(tuple(outs) + tuple(written)):
-            values[record(Result, (ni, j))] = v
+        produced = (*outs, *written)
+        for r, v in zip(results(ni, len(produced)), produced):
+            values[r] = v
     return [values[r] for r in live_refs]
 
 

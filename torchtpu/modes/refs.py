@@ -8,11 +8,6 @@ import typing
 
 from jax import lax
 
-# A record from a tuple, without NamedTuple's Python-level __new__ (fused
-# mode makes one per recorded result).
-record = tuple.__new__
-
-
 class Result(typing.NamedTuple):
     """Output `index` of the graph's node `node` (written arguments follow
     its results)."""
@@ -20,9 +15,10 @@ class Result(typing.NamedTuple):
     index: int
 
 
-# Result(n, 0) at index n: most ops have one result, and fused mode records
-# one per op.
-FIRST_RESULTS = []
+# Refs made once for each index and kept: fused mode records one for every
+# op's result and every new input, and the same indexes recur in each graph.
+FIRST_RESULTS = []  # FIRST_RESULTS[n]: Result(n, 0) (most ops have one result)
+_RESULT_ROWS = []   # _RESULT_ROWS[n]: (Result(n, 0), Result(n, 1), ...)
 
 
 def first_result(node):
@@ -30,6 +26,17 @@ def first_result(node):
     if node >= len(FIRST_RESULTS):
         FIRST_RESULTS.extend(Result(n, 0) for n in range(len(FIRST_RESULTS), 2 * node + 64))
     return FIRST_RESULTS[node]
+
+
+def results(node, count):
+    """Result(node, j) for each j < count (and perhaps more), made once."""
+    rows = _RESULT_ROWS
+    if node >= len(rows):
+        rows.extend(() for _ in range(len(rows), 2 * node + 64))
+    row = rows[node]
+    if len(row) < count:
+        row = rows[node] = tuple(Result(node, j) for j in range(count))
+    return row
 
 
 class Input(typing.NamedTuple):
@@ -40,6 +47,16 @@ class Input(typing.NamedTuple):
 class Scalar(typing.NamedTuple):
     """The graph's dynamic scalar `index`."""
     index: int
+
+
+INPUTS, SCALARS = [], []  # INPUTS[i]: Input(i); SCALARS[i]: Scalar(i)
+
+
+def numbered(table, kind, index):
+    """kind(index) (an Input or a Scalar), made once and kept in table."""
+    if index >= len(table):
+        table.extend(kind(i) for i in range(len(table), 2 * index + 64))
+    return table[index]
 
 
 class Fenced(typing.NamedTuple):

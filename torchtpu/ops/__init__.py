@@ -11,7 +11,8 @@ compute in a wider type.
 In-place and out= variants are not lowered: the dispatcher runs the
 functional op and writes the results back through the views.
 """
-from .registry import LOWERINGS, TraceContext, ctx, lower, precision_setting  # noqa: F401
+from .registry import (LOWERINGS, TraceContext, ctx, lower, matmul_setting,  # noqa: F401
+                       precision_setting, xla_precision)
 
 
 def load_all():

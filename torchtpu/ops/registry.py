@@ -59,7 +59,8 @@ class TraceContext(threading.local):
     contiguous: per positional argument, whether that tensor is contiguous
     (None for non-tensors); some CPU kernels pick their algorithm by it and
     their backward formulas rely on that choice (linalg's LU of A^T).
-    precision: the lax.Precision of float matrix products (lower(matmul=True)).
+    precision: the lax.Precision of float matrix products (lower(matmul=True)),
+    given to tracing() as its matmul_setting().
     Set only by tracing(), for the one lowering being traced."""
     out = None
     contiguous = ()
@@ -71,7 +72,7 @@ class TraceContext(threading.local):
         before (a lowering that traces another op inside)."""
         before = self.out, self.contiguous, self.precision
         self.out, self.contiguous = out, contiguous
-        self.precision = lax.Precision.HIGHEST if precision is None else precision
+        self.precision = xla_precision(precision)
         try:
             yield
         finally:
@@ -101,13 +102,29 @@ def _newer_setting():
     return _NEW_SPELLING.get(value, "highest")
 
 
-def precision_setting():
-    """The lax.Precision the user's float32 matmul precision asks for (read
-    per call: changing it takes effect at the next op), set either way
-    PyTorch offers: torch.set_float32_matmul_precision("high") or
-    torch.backends.cuda.matmul.fp32_precision = "tf32"."""
+# torch.get_float32_matmul_precision without its Python wrapper (read by
+# every float matrix product).
+_get_matmul_precision = getattr(torch._C, "_get_float32_matmul_precision",
+                                torch.get_float32_matmul_precision)
+
+
+def matmul_setting():
+    """The user's float32 matmul precision as PyTorch names it ("highest",
+    "high" or "medium"), read per call (changing it takes effect at the next
+    op) and set either way PyTorch offers: torch.set_float32_matmul_precision
+    ("high") or torch.backends.cuda.matmul.fp32_precision = "tf32". Kernel
+    keys hold the name: a str hashes in C, a lax.Precision in Python."""
     try:
-        setting = torch.get_float32_matmul_precision()
+        return _get_matmul_precision()
     except RuntimeError:  # the two spellings mixed: PyTorch refuses to answer
-        setting = _newer_setting()
+        return _newer_setting()
+
+
+def xla_precision(setting):
+    """The lax.Precision of a matmul_setting() (None: PyTorch's default)."""
     return _PRECISIONS.get(setting, lax.Precision.HIGHEST)
+
+
+def precision_setting():
+    """The lax.Precision the user's float32 matmul precision asks for."""
+    return xla_precision(matmul_setting())
