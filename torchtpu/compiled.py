@@ -25,6 +25,7 @@ current eager mode, as before, and say why in `graph_fallbacks`: random ops
 inputs, inputs over a grown storage (dispatch/growth.py), symbolic sizes,
 and NaN/Inf checks being on.
 """
+import contextlib
 import copy
 import sys
 import typing
@@ -173,22 +174,14 @@ def _trace(gm, args, slots, n_storages, device, name):
             else:
                 inputs.append(view_tensor(storages[slot], a.shape, a.stride(), a.storage_offset(),
                                           a._key))
-        flag_before = flag.array
-        first = len(bounds.unread_checks())
-        flag.assign(flag_in)  # index checks merge into the flag passed in
-        try:
-            # Ops add their code to this trace, one by one.
-            with modes.using(_TRACING), torch.no_grad():
-                results = gm(*inputs)
+        with traced_ops(device, flag_in) as (flag, first):
+            results = gm(*inputs)
             flag_out = flag.array
             # The user's line that called the compiled function (its first
             # call, which traces it): what an index check names.
             where = errors.user_site()
             checks[:] = [bounds._Check(c.bound, c.func, where)
                          for c in bounds.unread_checks()[first:]]
-        finally:
-            _forget_checks(first, device)
-            flag.assign(flag_before)
         outs = []
         outputs.clear()
         slot_of = {id(st): slot for slot, st in enumerate(storages)}
@@ -263,6 +256,24 @@ class _TracingExecutor(StrictExecutor):
 
 
 _TRACING = _TracingExecutor()
+
+
+@contextlib.contextmanager
+def traced_ops(device, flag_in):
+    """Inside the block, each op on tpu tensors over traced arrays adds its
+    code to the JAX function being traced instead of running. Index checks
+    merge into flag_in; the block gets (the device's flag, whose array is
+    then what they merged into, the index of the first check it made)."""
+    flag = bounds.flag_input(False, device)
+    flag_before = flag.array
+    first = len(bounds.unread_checks())
+    flag.assign(flag_in)
+    try:
+        with modes.using(_TRACING), torch.no_grad():
+            yield flag, first
+    finally:
+        _forget_checks(first, device)
+        flag.assign(flag_before)
 
 
 def _forget_checks(first, device):

@@ -210,6 +210,10 @@ def _translate(e, func, args, kwargs):
         msg = (f"torchtpu: a fused graph of {len(names)} ops ({shown}) failed at a sync "
                f"point ({graph.reason}): {what}")
         return _out_of_memory(e, msg) or RuntimeError(msg)
+    if isinstance(e, _TRACER_ERRORS) and _traced_by_user(args, kwargs):
+        return RuntimeError(f"torchtpu: {call} reads a tensor's values on the host (.item(), "
+                            "bool(), a branch on a value, a data-dependent shape), which a function "
+                            f"traced by JAX cannot: {what}")
     if isinstance(e, _TRACER_ERRORS):
         return RuntimeError(f"torchtpu: {call}: its tpu lowering depends on tensor values, "
                             f"which are not known while tracing (a torchtpu bug): {what}")
@@ -219,6 +223,16 @@ def _translate(e, func, args, kwargs):
     cls = next((c for c in _PYTORCH_TYPES if isinstance(e, c)), RuntimeError)
     return cls(f"torchtpu: {call} failed in its tpu lowering (a torchtpu bug; "
                f"TORCHTPU_FULL_TRACEBACK=1 shows where): {what}")
+
+
+def _traced_by_user(args, kwargs):
+    """Whether the op's tensors hold JAX tracers: the user's program is being
+    traced by JAX (torchtpu.jax.functionalize), not a lowering by torchtpu."""
+    for a in (*args, *(kwargs or {}).values()):
+        storage = getattr(a, "_storage", None)
+        if storage is not None and isinstance(getattr(storage, "array", None), jax.core.Tracer):
+            return True
+    return False
 
 
 def user_error(e, func, args=(), kwargs=None):

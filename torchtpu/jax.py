@@ -3,13 +3,24 @@
 to_jax(t) gives the JAX array holding t's values: t's own buffer when t is
 its whole storage (a view is read into a new array). JAX arrays are
 immutable, so a later in-place op on t gives t a new buffer and leaves the
-array as it was. from_jax(a) gives a tpu tensor over a's buffer."""
+array as it was. from_jax(a) gives a tpu tensor over a's buffer.
+
+functionalize(model) gives a module as a pure JAX function of its
+parameters, and export(model, args) its forward as a StableHLO program that
+a process with JAX alone runs."""
+import contextlib
+import os
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
-from . import properties, runtime
+from . import bounds, properties, runtime
+from .compiled import traced_ops
 from .dispatch import device_array
-from .tensor import TpuTensor, wrap
+from .ops import random as rng
+from .tensor import DEVICE, Storage, TpuTensor, read_view, whole_tensor, wrap
 
 
 def to_jax(t):
@@ -40,3 +51,141 @@ def from_jax(a):
         index = properties.current_index()
         a = jax.device_put(a, runtime.DEVICES[index])
     return wrap(a, device=index)
+
+
+# ---- a module as a JAX function ---------------------------------------------------
+
+def functionalize(model):
+    """(params, fn): model as a pure JAX function of its state.
+
+    params: {name: jax.Array} of the module's parameters and buffers, by their
+    state_dict names (a tied parameter once, under its first name).
+    fn(params, *args, rng_key=None, **kwargs) -> (outputs, updated): the
+    module's forward on JAX arrays (args may also hold numpy arrays and
+    Python values), its tensors as JAX arrays in the same nested structure
+    (a dict for a mapping such as a Hugging Face ModelOutput), and updated:
+    {name: new array} of the buffers (or parameters) the forward wrote
+    in place, such as BatchNorm's running statistics, which the caller
+    merges into params as it chooses. Random ops draw from rng_key (a
+    jax.random key), and raise without one.
+
+    fn is traceable by jax.jit, jax.grad, jax.vmap and lax.scan: each aten op
+    adds its torchtpu lowering to the JAX function being traced, as in
+    torch.compile(backend="tpu") (torchtpu.compiled). Index checks are not
+    made inside it (JAX clamps an out-of-range index), and an op that reads
+    values on the host (.item(), a data-dependent shape) cannot be traced.
+    The module's own tensors are untouched: it runs on the arrays given."""
+    if isinstance(model, torch.export.ExportedProgram):
+        model = model.module()
+    state = dict(model.named_parameters())
+    state.update(model.named_buffers())
+    params = {name: _array_of(t) for name, t in state.items()}
+
+    def fn(params, *args, rng_key=None, **kwargs):
+        device = properties.current_index()
+        tensors = {name: _tensor_of(a, device) for name, a in params.items()}
+        given = {name: t._storage.array for name, t in tensors.items()}
+        args, kwargs = jax.tree_util.tree_map(lambda x: _tensor_of(x, device) if _is_array(x) else x,
+                                              (args, kwargs))
+        flag_in = jnp.zeros_like(bounds.flag_input(False, device).array)
+        seed = None if rng_key is None else jax.random.bits(rng_key, (), jnp.uint32).astype(jnp.int64)
+        with traced_ops(device, flag_in), rng.drawn_from(seed), _math_attention():
+            out = torch.func.functional_call(model, tensors, args, kwargs)
+        updated = {name: read_view(t._storage.array, t._view) for name, t in tensors.items()
+                   if t._storage.array is not given[name]}
+        return _as_jax_tree(out), updated
+
+    return params, fn
+
+
+@contextlib.contextmanager
+def _math_attention():
+    """nn.MultiheadAttention and the Transformer layers on their math path:
+    their inference fast path is one fused CPU or CUDA kernel."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def _is_array(x):
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _array_of(t):
+    """A module's tensor as a jax.Array (a CPU one copied to the device)."""
+    t = t.detach()
+    return to_jax(t if isinstance(t, TpuTensor) else t.to(DEVICE))
+
+
+def _tensor_of(a, device):
+    """A tpu tensor over a (a JAX array, perhaps a tracer, or a numpy one)."""
+    a = jnp.asarray(a)
+    return whole_tensor(Storage(a, device), tuple(a.shape), runtime.torch_dtype(a.dtype))
+
+
+def _as_jax_tree(x):
+    """x (a module's outputs) with each tpu tensor its JAX array, in
+    containers JAX can trace through."""
+    if isinstance(x, TpuTensor):
+        return read_view(x._storage.array, x._view)
+    if isinstance(x, torch.Tensor):
+        raise TypeError(f"functionalize(): the module returned a {x.device} tensor; only tensors "
+                        "computed from its inputs and state can be returned")
+    if isinstance(x, dict):
+        return {k: _as_jax_tree(v) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*[_as_jax_tree(v) for v in x])
+    if isinstance(x, (list, tuple)):
+        return type(x)(_as_jax_tree(v) for v in x)
+    return x
+
+
+# ---- a module exported as StableHLO -----------------------------------------------
+
+class Exported:
+    """A module's forward as a serialized StableHLO program (jax.export) and
+    its parameters. save(folder) writes program.bin and params.npz, which a
+    process with JAX alone (no torch) runs:
+
+        exported = jax.export.deserialize(open("program.bin", "rb").read())
+        outputs = exported.call(dict(numpy.load("params.npz")), *inputs)
+    """
+
+    def __init__(self, program, params):
+        self.program = program  # bytes: jax.export's serialization
+        self.params = params    # {name: numpy array}
+
+    def call(self, *args):
+        """The program run here (as the JAX-only process would)."""
+        return jax.export.deserialize(self.program).call(self.params, *args)
+
+    def save(self, folder):
+        folder = os.fspath(folder)
+        os.makedirs(folder, exist_ok=True)
+        _write_atomically(os.path.join(folder, "program.bin"), lambda f: f.write(self.program))
+        _write_atomically(os.path.join(folder, "params.npz"), lambda f: np.savez(f, **self.params))
+
+
+def _write_atomically(path, write):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def export(model, args, kwargs=None, dynamic_shapes=None):
+    """model's forward (an nn.Module or a torch.export.ExportedProgram) on
+    inputs shaped as args (tensors, of any device) as an Exported: a
+    StableHLO program of (params, *inputs) returning the forward's outputs
+    as JAX arrays (see functionalize), with the parameters."""
+    if dynamic_shapes is not None:
+        raise NotImplementedError("torchtpu.export: symbolic dimensions (dynamic_shapes) are not "
+                                  "supported yet; export once per input shape")
+    params, fn = functionalize(model)
+    inputs = [_array_of(a) if isinstance(a, torch.Tensor) else a for a in args]
+    kwargs = kwargs or {}
+    exported = jax.export.export(jax.jit(lambda p, *a: fn(p, *a, **kwargs)[0]))(params, *inputs)
+    return Exported(bytes(exported.serialize()), {k: np.asarray(v) for k, v in params.items()})

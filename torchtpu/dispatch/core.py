@@ -14,6 +14,7 @@ import math
 import sys
 import warnings
 
+import jax
 import jax.numpy as jnp
 import torch
 from torch._decomp import decomposition_table
@@ -268,7 +269,11 @@ def _run_lowered(plan, args, kwargs):
     if dynamic:
         flat.extend(dynamic)
     if plan.random:
-        flat.extend(rng.next_key())
+        key = rng.next_key()
+        if key[0] is None:
+            raise RuntimeError(f"{plan.name} draws random numbers: inside a function traced by "
+                               "JAX (torchtpu.jax.functionalize) pass it rng_key=, a jax.random key")
+        flat.extend(key)
     if ex.waits_each_op or checks.CHECK_NANS:
         # The executor's checks around the op: debug mode's index bounds,
         # NaN/Inf (torchtpu.modes.checks).
@@ -544,6 +549,10 @@ def cpu_fallback(plan, args, kwargs):
             if x._storage.device != device:
                 raise device_mismatch(device, x.device)
             if id(x) not in moved:
+                if isinstance(x._storage.array, jax.core.Tracer):
+                    raise RuntimeError(
+                        f"{name} has no tpu lowering (eager modes run it on the CPU), so it "
+                        "cannot be traced into a JAX function")
                 moved[id(x)] = (x, download(x, "cpu_fallback"))
             return moved[id(x)][1]
         if isinstance(x, torch.Tensor) and x.dim() > 0 and not cpu_ok:

@@ -6,6 +6,7 @@ kernel inputs and hands the lowering key=, a JAX key derived from them inside
 the kernel, so no op recompiles per call. Every call advances the offset.
 Streams are reproducible under torch.manual_seed, not equal to CPU's.
 """
+import contextlib
 import math
 
 import jax
@@ -57,10 +58,24 @@ def position():
 
 
 def next_key():
-    """(seed, offset) for the next random op, as kernel inputs."""
+    """(seed, offset) for the next random op, as kernel inputs (seed None:
+    inside drawn_from(None), where no op may draw)."""
     offset = _state["offset"]
     _state["offset"] = offset + 1
     return _state["seed"], offset
+
+
+@contextlib.contextmanager
+def drawn_from(seed_):
+    """Random ops inside the block draw from seed_ (a traced int64 scalar: a
+    JAX function's key argument), at offsets from 0; seed_ None: they raise.
+    The generator's state is restored after."""
+    before = dict(_state)
+    _state["seed"], _state["offset"] = seed_, 0
+    try:
+        yield
+    finally:
+        _state.update(before)
 
 
 def key_from(seed_, offset):
