@@ -248,3 +248,25 @@ def test_a_hugging_face_model_from_its_config():
     np.testing.assert_allclose(float(value), float(expected.loss), rtol=1e-5)
     for n, p in model.named_parameters():
         np.testing.assert_allclose(np.asarray(grads[n]), p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=n)
+
+
+def test_bfloat16_parameters_are_not_saved_as_bytes(tmp_path):
+    model = _mlp().to(torch.bfloat16)
+    exported = torchtpu.export(model, (torch.randn(5, 6, dtype=torch.bfloat16),))
+    np.testing.assert_allclose(
+        np.asarray(exported.call(jnp.ones((5, 6), jnp.bfloat16)), np.float32),
+        model(torch.ones(5, 6, dtype=torch.bfloat16)).float().detach().numpy(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(TypeError, match="numpy cannot store the bfloat16"):
+        exported.save(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_example_trains_exports_and_serves():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "jax_interop.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step")]
+    assert losses[-1] < losses[0] / 10
+    served = [line for line in done.stdout.splitlines() if line.startswith("served:")]
+    assert served, done.stdout

@@ -163,6 +163,13 @@ class Exported:
         return jax.export.deserialize(self.program).call(self.params, *args)
 
     def save(self, folder):
+        odd = sorted(k for k, v in self.params.items() if v.dtype.kind == "V" or
+                     type(v.dtype).__module__.startswith("ml_dtypes"))
+        if odd:
+            # numpy's .npz would store them as raw bytes, which load as void.
+            raise TypeError(f"Exported.save: numpy cannot store the {self.params[odd[0]].dtype} "
+                            f"parameters {', '.join(odd[:3])}; save Exported.params another way "
+                            "(e.g. as float32, or their bytes and dtypes)")
         folder = os.fspath(folder)
         os.makedirs(folder, exist_ok=True)
         _write_atomically(os.path.join(folder, "program.bin"), lambda f: f.write(self.program))
