@@ -44,23 +44,64 @@ def _world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _local_rank():
+    """The process's index on its host as launchers set it (torchrun, and
+    `accelerate launch`'s multi-process launcher, which runs torchrun), or None."""
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    return int(local_rank) if local_rank.strip().lstrip("-").isdigit() and \
+        int(local_rank) >= 0 else None
+
+
 def _patch_state(module):
     partial_state = module.PartialState
+    distributed_type = module.DistributedType
     accelerate_default = partial_state.default_device.fget
+    accelerate_backend = partial_state._prepare_backend
+    accelerate_set_device = partial_state.set_device
 
     def default_device(self):
         if not _tpu_is_the_accelerator():
             return accelerate_default(self)
         if _world_size() > 1:
-            raise NotImplementedError(
-                f"torchtpu: Hugging Face Accelerate runs on {DEVICE.type} in one process "
-                f"only; with {_world_size()} processes each would train alone (Accelerate "
-                f"sets up no process group for {DEVICE.type}). Use torch.distributed with "
-                f"DistributedDataParallel directly, or one process")
+            # Several processes, but none launched as one of several on a host.
+            raise RuntimeError(
+                f"torchtpu: {_world_size()} processes, but LOCAL_RANK is not set, so "
+                f"Accelerate would train each alone on {DEVICE.type}; launch with torchrun "
+                "or `accelerate launch --multi_gpu`, or set LOCAL_RANK (and "
+                "LOCAL_WORLD_SIZE) as they do")
         return torch.device(DEVICE.type)  # no index, as accelerate gives torch.device("cuda")
 
+    def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, kind = accelerate_backend(self, cpu, sagemaker_dp, backend)
+        if kind == distributed_type.NO and not cpu and _local_rank() is not None \
+                and _tpu_is_the_accelerator():
+            # Accelerate has no MULTI_TPU; MULTI_GPU is its type for one
+            # device per process joined by torch.distributed: prepare wraps
+            # in DDP and shards loaders, collectives go through the group.
+            return backend or DEVICE.type, distributed_type.MULTI_GPU
+        return chosen, kind
+
+    def set_device(self):
+        if self.device is not None or self.distributed_type == distributed_type.NO or \
+                self._cpu or not _tpu_is_the_accelerator():
+            return accelerate_set_device(self)
+        # Accelerate would take MULTI_GPU's device for cuda; DDP's device_ids
+        # are [local_process_index], so the device is tpu:local_process_index.
+        index, count = self.local_process_index, torch.accelerator.device_count()
+        if not 0 <= index < count:
+            raise RuntimeError(
+                f"torchtpu: local process {index} would use {DEVICE.type}:{index}, but this "
+                f"process has {count} {DEVICE.type} device(s): set LOCAL_WORLD_SIZE to the "
+                "number of processes on this host (torchrun does)")
+        self.device = torch.device(DEVICE.type, index)
+        torch.accelerator.set_device_index(index)
+
     default_device.__doc__ = accelerate_default.__doc__
+    _prepare_backend.__doc__ = accelerate_backend.__doc__
+    set_device.__doc__ = accelerate_set_device.__doc__
     partial_state.default_device = property(default_device)
+    partial_state._prepare_backend = _prepare_backend
+    partial_state.set_device = set_device
 
 
 def _patch_accelerator(module):
