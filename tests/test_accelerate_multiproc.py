@@ -1,0 +1,194 @@
+"""Hugging Face Accelerate and Trainer in two processes on tpu, as
+`accelerate launch --multi_gpu` and torchrun start them: each process trains
+on its own tpu:LOCAL_RANK through torchtpu's tpu process group (DDP), and
+the losses, gathered predictions and final weights are those of one CPU
+process on the whole batch, computed here."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from processes import free_port, run_ranks
+
+pytest.importorskip("accelerate")
+
+# The run every worker makes: 32 samples, 4 per process per micro-step, 2
+# micro-steps per optimizer step (16 samples), 2 epochs; a checkpoint after
+# the first epoch, the second epoch run again from it.
+N, PER_PROCESS, ACCUMULATE, EPOCHS, CLIP, LR = 32, 4, 2, 2, 0.5, 0.1
+EVAL_N = 10  # not a multiple of the 2 x 4 samples of an evaluation step
+
+LOOP_WORKER = textwrap.dedent(f"""\
+    import json, os, sys
+    import torch, torch.nn.functional as F
+    import torchtpu
+    from accelerate import Accelerator
+
+    N, PER_PROCESS, ACCUMULATE, CLIP, LR, EVAL_N = {N}, {PER_PROCESS}, {ACCUMULATE}, {CLIP}, {LR}, {EVAL_N}
+    # A report's path (tests/processes.py), or the folder of all (accelerate launch).
+    out = sys.argv[1]
+    if os.path.isdir(out):
+        out = os.path.join(out, f"rank{{os.environ['RANK']}}.json")
+    ckpt = os.path.join(os.path.dirname(out), "ckpt")
+    acc = Accelerator(gradient_accumulation_steps=ACCUMULATE,
+                      mixed_precision=os.environ.get("WORKER_MIXED_PRECISION", "no"))
+    rank = acc.process_index
+    report = {{"device": str(acc.device), "type": str(acc.distributed_type.value),
+               "num_processes": acc.num_processes, "main": acc.is_main_process,
+               "local_main": acc.is_local_main_process,
+               "backend": torch.distributed.get_backend()}}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model[0].register_forward_hook(lambda m, a, out: report.update(inner=str(out.dtype)))
+    g = torch.Generator().manual_seed(1)
+    x, y, ex = torch.randn(N, 4, generator=g), torch.randn(N, 2, generator=g), torch.randn(EVAL_N, 4, generator=g)
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=PER_PROCESS)
+    evaluation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ex), batch_size=PER_PROCESS)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    model, opt, train, evaluation = acc.prepare(model, opt, train, evaluation)
+    report["ddp"] = type(model).__name__
+
+    def epoch():
+        losses, norms = [], []
+        for xb, yb in train:
+            assert xb.device == acc.device and xb.shape[0] == PER_PROCESS
+            with acc.accumulate(model):
+                loss = F.mse_loss(model(xb), yb)
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    norms.append(acc.clip_grad_norm_(model.parameters(), CLIP).item())
+                opt.step()
+                opt.zero_grad()
+            losses.append(acc.gather(loss.detach()[None]).tolist())
+        return losses, norms
+
+    def weights():
+        return {{k: v.cpu().tolist() for k, v in acc.unwrap_model(model).state_dict().items()}}
+
+    report["epoch1"] = epoch()
+    acc.save_state(ckpt)
+    report["epoch2"] = epoch()
+    report["weights"] = weights()
+    acc.load_state(ckpt)
+    report["epoch2_again"] = epoch()
+    report["weights_again"] = weights()
+
+    with torch.no_grad():
+        preds = [acc.gather_for_metrics(model(xb)) for (xb,) in evaluation]
+    report["predictions"] = torch.cat(preds).cpu().tolist()
+    t = torch.full((rank + 1, 2), float(rank + 1), device=acc.device)
+    report["padded"] = acc.gather(acc.pad_across_processes(t, pad_index=-1)).cpu().tolist()
+    report["reduced"] = acc.reduce(t.sum(0), reduction="sum").cpu().tolist()
+    report["mean"] = acc.reduce(t[0], reduction="mean").cpu().tolist()
+    if acc.is_main_process:
+        with open(os.path.join(ckpt, "main_was_here"), "w") as f:
+            f.write("1")
+    acc.wait_for_everyone()
+    report["saw_main"] = os.path.exists(os.path.join(ckpt, "main_was_here"))
+    json.dump(report, open(out, "w"))
+""")
+
+
+def _cpu_run(autocast=False):
+    """The same run in one CPU process, each optimizer step on the whole
+    16-sample batch: (the losses of each process's 4 samples at each
+    micro-step, the clipped gradients' norms, per epoch; the final weights;
+    the evaluation's predictions)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    g = torch.Generator().manual_seed(1)
+    x, y, ex = torch.randn(N, 4, generator=g), torch.randn(N, 2, generator=g), torch.randn(EVAL_N, 4, generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    step = 2 * PER_PROCESS * ACCUMULATE
+    epochs = []
+    for _ in range(EPOCHS):
+        losses, norms = [], []
+        for start in range(0, N, step):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x[start:start + step]).float()
+            per_sample = F.mse_loss(out, y[start:start + step], reduction="none").mean(1)
+            losses += per_sample.reshape(-1, PER_PROCESS).mean(1).reshape(-1, 2).tolist()
+            per_sample.mean().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            opt.step()
+            opt.zero_grad()
+        epochs.append((losses, norms))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        predictions = model(ex).float()
+    return epochs, model.state_dict(), predictions
+
+
+def _check_loop(reports, autocast=False):
+    # bf16: torch.testing's rtol; the data are of order 1, and an output near 0
+    # is a difference of bf16 values of that order, each one rounding
+    # (2**-8 of it) from another order of summation's.
+    tol = dict(rtol=1.6e-2, atol=2 ** -8) if autocast else dict(rtol=1e-5, atol=1e-6)
+    epochs, weights, predictions = _cpu_run(autocast)
+    for rank, r in enumerate(reports):
+        assert r["device"] == f"tpu:{rank}" and r["backend"] == "tpu"
+        assert r["type"] == "MULTI_GPU" and r["ddp"] == "DistributedDataParallel"
+        assert r["num_processes"] == 2 and r["main"] == r["local_main"] == (rank == 0)
+        for got, want in zip((r["epoch1"], r["epoch2"], r["epoch2_again"]), epochs + epochs[1:]):
+            torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), **tol)
+            torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), **tol)
+        for name, value in weights.items():
+            torch.testing.assert_close(torch.tensor(r["weights"][name]), value, **tol)
+        # From the checkpoint, the second epoch again, bit for bit.
+        assert r["epoch2_again"] == r["epoch2"] and r["weights_again"] == r["weights"]
+        # All ten predictions, in order: the padding of the last step dropped.
+        torch.testing.assert_close(torch.tensor(r["predictions"]), predictions, **tol)
+        assert r["padded"] == [[1.0, 1.0], [-1.0, -1.0], [2.0, 2.0], [2.0, 2.0]]
+        assert r["reduced"] == [5.0, 5.0] and r["mean"] == [1.5, 1.5]
+        assert r["saw_main"]
+        assert r["inner"] == ("torch.bfloat16" if autocast else "torch.float32")
+    # The two processes' weights are the same; the clipped norms too.
+    assert reports[0]["weights"] == reports[1]["weights"]
+
+
+def _launch(cmd, env, timeout):
+    """cmd run in a session of its own, ended whole after timeout; its output."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log = proc.communicate()[0]
+        pytest.fail(f"{cmd} did not end within {timeout} s:\n{log[-5000:]}")
+    assert proc.returncode == 0, log[-10000:]
+    return log
+
+
+def test_accelerate_launch_two_processes_train_as_one_cpu_process(tmp_path):
+    """The real `accelerate launch --multi_gpu --num_processes 2` (Accelerate's
+    torchrun launcher): DDP on tpu:0 and tpu:1, gradient accumulation with
+    clipping, save_state/load_state, gather_for_metrics, pad/reduce."""
+    script = tmp_path / "worker.py"
+    script.write_text(LOOP_WORKER)
+    env = dict(os.environ, TORCHTPU_COORDINATOR_PORT=str(free_port()),
+               HF_HOME=str(tmp_path / "hf"))  # no accelerate config file
+    env.pop("TORCHTPU_DISTRIBUTED", None)
+    _launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+             "--num_processes", "2", "--main_process_port", str(free_port()),
+             "--mixed_precision", "no", "--dynamo_backend", "no", "--num_machines", "1",
+             str(script), str(tmp_path)], env, timeout=240)
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    _check_loop(reports)
+    saved = sorted(os.listdir(tmp_path / "ckpt"))
+    assert saved == ["main_was_here", "model.safetensors", "optimizer.bin",
+                     "random_states_0.pkl", "random_states_1.pkl"], saved
+
+
+@pytest.mark.parametrize("eager_mode,mixed_precision", [("fused", "no"), ("strict", "bf16")])
+def test_torchrun_two_processes_train_as_one_cpu_process(tmp_path, eager_mode, mixed_precision):
+    """The same run under torchrun's environment: in fused mode; and with bf16
+    mixed precision (against CPU's bf16 autocast)."""
+    reports = run_ranks(tmp_path, LOOP_WORKER, 2, timeout=240,
+                        env={"LOCAL_WORLD_SIZE": "2", "TORCHTPU_EAGER_MODE": eager_mode,
+                             "WORKER_MIXED_PRECISION": mixed_precision})
+    _check_loop(reports, autocast=mixed_precision == "bf16")
