@@ -192,3 +192,116 @@ def test_torchrun_two_processes_train_as_one_cpu_process(tmp_path, eager_mode, m
                         env={"LOCAL_WORLD_SIZE": "2", "TORCHTPU_EAGER_MODE": eager_mode,
                              "WORKER_MIXED_PRECISION": mixed_precision})
     _check_loop(reports, autocast=mixed_precision == "bf16")
+
+
+# Trainer: a tiny GPT-2, 2 samples per process (4 a step), 4 steps, a
+# checkpoint every 2; evaluate() with compute_metrics; a second Trainer
+# resumes from the first checkpoint. Each rank records the files it wrote.
+TRAINER_RUN = textwrap.dedent("""\
+    import json, os, sys
+    import torch, transformers
+
+    def files_written(log):
+        # Which files this process writes: torch.save and safetensors' save_file.
+        import safetensors.torch
+        for module, name in ((torch, "save"), (safetensors.torch, "save_file")):
+            original = getattr(module, name)
+            def writer(obj, f, *args, _original=original, **kwargs):
+                if isinstance(f, (str, os.PathLike)):
+                    log.append("/".join(os.fspath(f).split(os.sep)[-3:]))
+                return _original(obj, f, *args, **kwargs)
+            setattr(module, name, writer)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, n, seed):
+            self.ids = torch.randint(0, 96, (n, 16), generator=torch.Generator().manual_seed(seed))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def metrics(prediction):
+        # Over all eval samples, gathered in order: next-token accuracy, and
+        # the logits weighted by the sample's index.
+        logits, labels = prediction.predictions, prediction.label_ids
+        order = torch.arange(len(labels), dtype=torch.float32)[:, None, None].numpy()
+        return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean()),
+                "ordered": float((order * logits).mean()), "samples": len(labels)}
+
+    def run(output_dir, per_device, use_cpu, resume=None, per_device_eval=2):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        args = transformers.TrainingArguments(
+            output_dir=output_dir, max_steps=4, per_device_train_batch_size=per_device,
+            per_device_eval_batch_size=per_device_eval, save_steps=2, logging_steps=1,
+            report_to="none", use_cpu=use_cpu, learning_rate=1e-3, disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(16, 1),
+                                       eval_dataset=Tokens(8, 2), compute_metrics=metrics)
+        trainer.train(resume_from_checkpoint=resume)
+        evaluated = trainer.evaluate()
+        return {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+                "eval": {k: evaluated[k] for k in ("eval_loss", "eval_accuracy", "eval_ordered", "eval_samples")},
+                "device": str(trainer.args.device),
+                "parallel_mode": str(trainer.args.parallel_mode.value),
+                "model": type(trainer.model_wrapped).__name__,
+                "weights": {k: v.float().cpu().flatten()[:64].tolist()
+                            for k, v in trainer.model.state_dict().items()}}
+""")
+
+TRAINER_WORKER = TRAINER_RUN + textwrap.dedent("""\
+    import torchtpu
+    out = sys.argv[1]
+    report = {"written": []}
+    files_written(report["written"])
+    output_dir = os.path.join(os.path.dirname(out), "run")
+    report["first"] = run(output_dir, 2, False)
+    report["checkpoints"] = sorted(os.listdir(output_dir))
+    report["resumed"] = run(os.path.join(os.path.dirname(out), "resumed"), 2, False,
+                            resume=os.path.join(output_dir, "checkpoint-2"))
+    json.dump(report, open(out, "w"))
+""")
+
+
+def test_trainer_two_processes_train_evaluate_resume_as_one_cpu_process(tmp_path):
+    """Trainer under torchrun's environment: DDP on tpu:0 and tpu:1; its
+    losses, evaluation (compute_metrics over all 8 samples) and weights
+    those of one CPU process with the whole batch (evaluated 2 samples at a
+    time, as each process does: eval_loss averages per-batch losses); checkpoints written by
+    rank 0 only (each rank its RNG state); resuming from step 2 gives the
+    first run's last two steps bit for bit."""
+    pytest.importorskip("transformers")
+    reports = run_ranks(tmp_path, TRAINER_WORKER, 2, timeout=300,
+                        env={"LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1"})
+    namespace = {}
+    exec(TRAINER_RUN, namespace)
+    cpu = namespace["run"](str(tmp_path / "cpu"), 4, True)
+    for rank, r in enumerate(reports):
+        first, resumed = r["first"], r["resumed"]
+        assert first["device"] == f"tpu:{rank}" and first["parallel_mode"] == "distributed"
+        assert first["model"] == "DistributedDataParallel"
+        assert list(first["losses"]) == ["1", "2", "3", "4"]
+        torch.testing.assert_close(torch.tensor(list(first["losses"].values())),
+                                   torch.tensor(list(cpu["losses"].values())), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(list(first["eval"].values())),
+                                   torch.tensor(list(cpu["eval"].values()), dtype=torch.float32),
+                                   rtol=1e-4, atol=1e-5)
+        assert first["eval"]["eval_samples"] == 8
+        for name, value in cpu["weights"].items():
+            torch.testing.assert_close(torch.tensor(first["weights"][name]), torch.tensor(value),
+                                       rtol=1e-4, atol=1e-5)
+        # Steps 1-2 from the checkpoint's log history, 3-4 trained again.
+        assert resumed["losses"] == first["losses"]
+        assert resumed["weights"] == first["weights"] and resumed["eval"] == first["eval"]
+    assert reports[0]["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+    assert reports[0]["first"]["weights"] == reports[1]["first"]["weights"]
+    # Rank 1 writes its RNG state alone; rank 0 the model, optimizer and the rest.
+    assert sorted(reports[1]["written"]) == ["resumed/checkpoint-4/rng_state_1.pth",
+                                             "run/checkpoint-2/rng_state_1.pth",
+                                             "run/checkpoint-4/rng_state_1.pth"]
+    assert "run/checkpoint-2/model.safetensors" in reports[0]["written"]
+    assert "run/checkpoint-2/optimizer.pt" in reports[0]["written"]
+    assert not any("rng_state_1" in f for f in reports[0]["written"])

@@ -121,8 +121,46 @@ def _patch_accelerator(module):
                 obj._switch_parameters(moved)
         return result
 
+    accelerate_prepare_model = accelerator.prepare_model
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        ddp = self.ddp_handler
+        if self.device.type == DEVICE.type and self.multi_device and not evaluation_mode \
+                and ddp is not None and (ddp.find_unused_parameters or ddp.static_graph):
+            raise NotImplementedError(_UNUSED_PARAMETERS)
+        return accelerate_prepare_model(self, model, device_placement, evaluation_mode)
+
     prepare.__doc__ = accelerate_prepare.__doc__
+    prepare_model.__doc__ = accelerate_prepare_model.__doc__
     accelerator.prepare = prepare
+    accelerator.prepare_model = prepare_model
+
+
+_UNUSED_PARAMETERS = (
+    f"torchtpu: DistributedDataParallel's find_unused_parameters=True and static_graph=True "
+    f"do not work on {DEVICE.type}: DDP's reducer then stages through pinned host memory, "
+    "whose allocator a Python backend cannot give PyTorch (torch 2.13). Leave both False "
+    "(Trainer: ddp_find_unused_parameters=False; torchtpu makes that Trainer's default on "
+    f"{DEVICE.type}), or use FSDP2, which has no such reducer")
+
+
+def _patch_trainer(module):
+    trainer = module.Trainer
+    transformers_build = trainer._build_accelerator_args
+
+    def _build_accelerator_args(self, **kwargs):
+        args = transformers_build(self, **kwargs)
+        # Trainer asks DDP to find unused parameters unless told otherwise,
+        # which DDP cannot do on tpu (_UNUSED_PARAMETERS); a model that does
+        # leave some unused then gets DDP's own error, which names the flag.
+        if self.args.ddp_find_unused_parameters is None and self.args.device.type == DEVICE.type:
+            for handler in args.get("kwargs_handlers", ()):
+                if type(handler).__name__ == "DistributedDataParallelKwargs":
+                    handler.find_unused_parameters = False
+        return args
+
+    _build_accelerator_args.__doc__ = transformers_build.__doc__
+    trainer._build_accelerator_args = _build_accelerator_args
 
 
 _installed = False
@@ -135,3 +173,4 @@ def install():
     _installed = True
     when_imported("accelerate.state", _patch_state)
     when_imported("accelerate.accelerator", _patch_accelerator)
+    when_imported("transformers.trainer", _patch_trainer)
