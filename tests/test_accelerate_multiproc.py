@@ -90,6 +90,13 @@ LOOP_WORKER = textwrap.dedent(f"""\
             f.write("1")
     acc.wait_for_everyone()
     report["saw_main"] = os.path.exists(os.path.join(ckpt, "main_was_here"))
+    from accelerate.utils import DistributedDataParallelKwargs
+    for flag in ("find_unused_parameters", "static_graph"):
+        try:
+            Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**{{flag: True}})]).prepare(
+                torch.nn.Linear(2, 2))
+        except NotImplementedError as e:
+            report[flag] = str(e)
     json.dump(report, open(out, "w"))
 """)
 
@@ -145,6 +152,8 @@ def _check_loop(reports, autocast=False):
         assert r["padded"] == [[1.0, 1.0], [-1.0, -1.0], [2.0, 2.0], [2.0, 2.0]]
         assert r["reduced"] == [5.0, 5.0] and r["mean"] == [1.5, 1.5]
         assert r["saw_main"]
+        for flag in ("find_unused_parameters", "static_graph"):
+            assert "find_unused_parameters=True and static_graph=True do not work" in r[flag]
         assert r["inner"] == ("torch.bfloat16" if autocast else "torch.float32")
     # The two processes' weights are the same; the clipped norms too.
     assert reports[0]["weights"] == reports[1]["weights"]

@@ -24,6 +24,7 @@ change is made when its module is first imported (`when_imported`), or at
 once if it already is.
 """
 import os
+import warnings
 
 import torch
 
@@ -52,6 +53,15 @@ def _local_rank():
         int(local_rank) >= 0 else None
 
 
+def _started_alone_by_accelerate_launch():
+    """accelerate launch's one-process launcher sets MASTER_ADDR and
+    MASTER_PORT only when asked for several processes (or machines), and
+    starts just one, with no RANK."""
+    env = os.environ
+    return "ACCELERATE_MIXED_PRECISION" in env and "ACCELERATE_USE_CPU" in env and \
+        "MASTER_ADDR" in env and "MASTER_PORT" in env and "RANK" not in env
+
+
 def _patch_state(module):
     partial_state = module.PartialState
     distributed_type = module.DistributedType
@@ -73,12 +83,19 @@ def _patch_state(module):
 
     def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         chosen, kind = accelerate_backend(self, cpu, sagemaker_dp, backend)
-        if kind == distributed_type.NO and not cpu and _local_rank() is not None \
-                and _tpu_is_the_accelerator():
+        if kind != distributed_type.NO or cpu or not _tpu_is_the_accelerator():
+            return chosen, kind
+        if _local_rank() is not None:
             # Accelerate has no MULTI_TPU; MULTI_GPU is its type for one
             # device per process joined by torch.distributed: prepare wraps
             # in DDP and shards loaders, collectives go through the group.
             return backend or DEVICE.type, distributed_type.MULTI_GPU
+        if _started_alone_by_accelerate_launch():
+            warnings.warn(
+                "torchtpu: `accelerate launch` started this process alone: its launcher does "
+                f"not know {DEVICE.type} devices, so --num_processes N starts N processes only "
+                "with --multi_gpu (or `distributed_type: MULTI_GPU` in Accelerate's config)",
+                stacklevel=3)
         return chosen, kind
 
     def set_device(self):
