@@ -35,8 +35,11 @@ LOOP_WORKER = textwrap.dedent(f"""\
     if os.path.isdir(out):
         out = os.path.join(out, f"rank{{os.environ['RANK']}}.json")
     ckpt = os.path.join(os.path.dirname(out), "ckpt")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    fsdp = os.environ.get("WORKER_FSDP2") == "1"
     acc = Accelerator(gradient_accumulation_steps=ACCUMULATE,
-                      mixed_precision=os.environ.get("WORKER_MIXED_PRECISION", "no"))
+                      mixed_precision=os.environ.get("WORKER_MIXED_PRECISION", "no"),
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp else None)
     rank = acc.process_index
     report = {{"device": str(acc.device), "type": str(acc.distributed_type.value),
                "num_processes": acc.num_processes, "main": acc.is_main_process,
@@ -68,7 +71,9 @@ LOOP_WORKER = textwrap.dedent(f"""\
         return losses, norms
 
     def weights():
-        return {{k: v.cpu().tolist() for k, v in acc.unwrap_model(model).state_dict().items()}}
+        # Whole tensors on every rank (FSDP2's are DTensors, gathered here).
+        state = acc.unwrap_model(model).state_dict()
+        return {{k: (v.full_tensor() if fsdp else v).cpu().tolist() for k, v in state.items()}}
 
     report["epoch1"] = epoch()
     acc.save_state(ckpt)
@@ -91,7 +96,7 @@ LOOP_WORKER = textwrap.dedent(f"""\
     acc.wait_for_everyone()
     report["saw_main"] = os.path.exists(os.path.join(ckpt, "main_was_here"))
     from accelerate.utils import DistributedDataParallelKwargs
-    for flag in ("find_unused_parameters", "static_graph"):
+    for flag in () if fsdp else ("find_unused_parameters", "static_graph"):
         try:
             Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(**{{flag: True}})]).prepare(
                 torch.nn.Linear(2, 2))
@@ -130,7 +135,7 @@ def _cpu_run(autocast=False):
     return epochs, model.state_dict(), predictions
 
 
-def _check_loop(reports, autocast=False):
+def _check_loop(reports, autocast=False, fsdp2=False):
     # bf16: torch.testing's rtol; the data are of order 1, and an output near 0
     # is a difference of bf16 values of that order, each one rounding
     # (2**-8 of it) from another order of summation's.
@@ -138,7 +143,10 @@ def _check_loop(reports, autocast=False):
     epochs, weights, predictions = _cpu_run(autocast)
     for rank, r in enumerate(reports):
         assert r["device"] == f"tpu:{rank}" and r["backend"] == "tpu"
-        assert r["type"] == "MULTI_GPU" and r["ddp"] == "DistributedDataParallel"
+        if fsdp2:
+            assert r["type"] == "FSDP" and r["ddp"] == "FSDPSequential"
+        else:
+            assert r["type"] == "MULTI_GPU" and r["ddp"] == "DistributedDataParallel"
         assert r["num_processes"] == 2 and r["main"] == r["local_main"] == (rank == 0)
         for got, want in zip((r["epoch1"], r["epoch2"], r["epoch2_again"]), epochs + epochs[1:]):
             torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), **tol)
@@ -152,7 +160,7 @@ def _check_loop(reports, autocast=False):
         assert r["padded"] == [[1.0, 1.0], [-1.0, -1.0], [2.0, 2.0], [2.0, 2.0]]
         assert r["reduced"] == [5.0, 5.0] and r["mean"] == [1.5, 1.5]
         assert r["saw_main"]
-        for flag in ("find_unused_parameters", "static_graph"):
+        for flag in () if fsdp2 else ("find_unused_parameters", "static_graph"):
             assert "find_unused_parameters=True and static_graph=True do not work" in r[flag]
         assert r["inner"] == ("torch.bfloat16" if autocast else "torch.float32")
     # The two processes' weights are the same; the clipped norms too.
@@ -193,14 +201,19 @@ def test_accelerate_launch_two_processes_train_as_one_cpu_process(tmp_path):
                      "random_states_0.pkl", "random_states_1.pkl"], saved
 
 
-@pytest.mark.parametrize("eager_mode,mixed_precision", [("fused", "no"), ("strict", "bf16")])
-def test_torchrun_two_processes_train_as_one_cpu_process(tmp_path, eager_mode, mixed_precision):
-    """The same run under torchrun's environment: in fused mode; and with bf16
-    mixed precision (against CPU's bf16 autocast)."""
+@pytest.mark.parametrize("eager_mode,mixed_precision,fsdp2", [
+    ("fused", "no", False), ("strict", "bf16", False), ("strict", "no", True)],
+    ids=["fused", "bf16", "fsdp2"])
+def test_torchrun_two_processes_train_as_one_cpu_process(tmp_path, eager_mode, mixed_precision,
+                                                         fsdp2):
+    """The same run under torchrun's environment: in fused mode; with bf16
+    mixed precision (against CPU's bf16 autocast); with Accelerate's FSDP2
+    plugin (fully_shard instead of DDP, a sharded checkpoint)."""
     reports = run_ranks(tmp_path, LOOP_WORKER, 2, timeout=240,
                         env={"LOCAL_WORLD_SIZE": "2", "TORCHTPU_EAGER_MODE": eager_mode,
-                             "WORKER_MIXED_PRECISION": mixed_precision})
-    _check_loop(reports, autocast=mixed_precision == "bf16")
+                             "WORKER_MIXED_PRECISION": mixed_precision,
+                             "WORKER_FSDP2": "1" if fsdp2 else "0"})
+    _check_loop(reports, autocast=mixed_precision == "bf16", fsdp2=fsdp2)
 
 
 # Trainer: a tiny GPT-2, 2 samples per process (4 a step), 4 steps, a

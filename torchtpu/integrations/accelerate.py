@@ -128,6 +128,13 @@ def _patch_accelerator(module):
     def prepare(self, *args, device_placement=None):
         if not (self.device_placement and self.device.type == DEVICE.type):
             return accelerate_prepare(self, *args, device_placement=device_placement)
+        if self.is_fsdp2:
+            # fully_shard moves a CPU model by `param.data = param.to(device)`,
+            # which cannot make a CPU tensor a tpu one; moved before, the
+            # model keeps its Parameter objects, which the optimizer holds.
+            for obj in args:
+                if isinstance(obj, torch.nn.Module):
+                    obj.to(self.device)
         before = self._get_named_parameters(*args)
         result = accelerate_prepare(self, *args, device_placement=device_placement)
         results = result if len(args) > 1 else (result,)
