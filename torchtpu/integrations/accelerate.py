@@ -1,4 +1,4 @@
-"""Hugging Face Accelerate on tpu.
+"""Hugging Face Accelerate and Trainer on tpu.
 
 Accelerate (1.x) names the devices it knows in its own code:
 `PartialState.default_device` tries mps, mlu, sdaa, musa, npu, hpu, cuda, xpu
@@ -15,9 +15,29 @@ one) put every model and batch on cpu. Two changes tell it about tpu:
   optimizer made before `prepare` (Accelerate's usual order) must not step
   a replaced one. Accelerate does the same for XLA devices.
 
-Only one process is covered: Accelerate's multi-process set-up has no branch
-for another device, so each process of `accelerate launch` or torchrun would
-train alone on its own data; that raises instead.
+Several processes (torchrun, or `accelerate launch --multi_gpu`, which runs
+torchrun) each train on their own tpu:LOCAL_RANK, joined by torchtpu's tpu
+process group. Accelerate has no distributed type for tpu (it would take
+`MULTI_TPU` from the device's name, which its enum lacks), so:
+
+- `_prepare_backend` gives `MULTI_GPU`, Accelerate's type for one device per
+  process under torch.distributed, with the `tpu` backend, when LOCAL_RANK
+  is set and tpu is the accelerator: Accelerate then starts the process
+  group, `prepare` wraps models in DDP and shards DataLoaders, and its
+  collectives (gather, reduce, wait_for_everyone) go through the group.
+- `set_device` gives tpu:local_process_index, where Accelerate would name a
+  cuda device for MULTI_GPU (DDP's device_ids are [local_process_index]).
+- With FSDP2, `prepare` moves the model to tpu before `fully_shard`, which
+  moves a CPU model through `param.data = ...` and cannot make it a tpu one.
+- DDP's find_unused_parameters and static_graph cannot work on tpu (the
+  reducer then stages through pinned memory, whose allocator a Python
+  backend cannot give PyTorch): `prepare_model` refuses them, and Trainer,
+  which asks for find_unused_parameters unless told, does not on tpu.
+
+Several processes without LOCAL_RANK would each train alone: that raises.
+`accelerate launch --num_processes N` without --multi_gpu starts one
+process (the launcher does not import torchtpu, so it sees no device): that
+process warns.
 
 Importing accelerate costs about a second, so `import torchtpu` does not: each
 change is made when its module is first imported (`when_imported`), or at
