@@ -29,7 +29,8 @@ LOOP_WORKER = textwrap.dedent(f"""\
     import torchtpu
     from accelerate import Accelerator
 
-    N, PER_PROCESS, ACCUMULATE, CLIP, LR, EVAL_N = {N}, {PER_PROCESS}, {ACCUMULATE}, {CLIP}, {LR}, {EVAL_N}
+    N, PER_PROCESS, ACCUMULATE, CLIP, LR = {N}, {PER_PROCESS}, {ACCUMULATE}, {CLIP}, {LR}
+    EVAL_N = {EVAL_N}
     # A report's path (tests/processes.py), or the folder of all (accelerate launch).
     out = sys.argv[1]
     if os.path.isdir(out):
@@ -49,9 +50,11 @@ LOOP_WORKER = textwrap.dedent(f"""\
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     model[0].register_forward_hook(lambda m, a, out: report.update(inner=str(out.dtype)))
     g = torch.Generator().manual_seed(1)
-    x, y, ex = torch.randn(N, 4, generator=g), torch.randn(N, 2, generator=g), torch.randn(EVAL_N, 4, generator=g)
-    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=PER_PROCESS)
-    evaluation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ex), batch_size=PER_PROCESS)
+    x, y = torch.randn(N, 4, generator=g), torch.randn(N, 2, generator=g)
+    ex = torch.randn(EVAL_N, 4, generator=g)
+    data = torch.utils.data
+    train = data.DataLoader(data.TensorDataset(x, y), batch_size=PER_PROCESS)
+    evaluation = data.DataLoader(data.TensorDataset(ex), batch_size=PER_PROCESS)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     model, opt, train, evaluation = acc.prepare(model, opt, train, evaluation)
     report["ddp"] = type(model).__name__
@@ -114,7 +117,8 @@ def _cpu_run(autocast=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     g = torch.Generator().manual_seed(1)
-    x, y, ex = torch.randn(N, 4, generator=g), torch.randn(N, 2, generator=g), torch.randn(EVAL_N, 4, generator=g)
+    x, y = torch.randn(N, 4, generator=g), torch.randn(N, 2, generator=g)
+    ex = torch.randn(EVAL_N, 4, generator=g)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     step = 2 * PER_PROCESS * ACCUMULATE
     epochs = []
@@ -266,7 +270,8 @@ TRAINER_RUN = textwrap.dedent("""\
         trainer.train(resume_from_checkpoint=resume)
         evaluated = trainer.evaluate()
         return {"losses": {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
-                "eval": {k: evaluated[k] for k in ("eval_loss", "eval_accuracy", "eval_ordered", "eval_samples")},
+                "eval": {k: evaluated[k] for k in
+                         ("eval_loss", "eval_accuracy", "eval_ordered", "eval_samples")},
                 "device": str(trainer.args.device),
                 "parallel_mode": str(trainer.args.parallel_mode.value),
                 "model": type(trainer.model_wrapped).__name__,
