@@ -49,12 +49,28 @@ def test_accelerator_cpu_true_still_gives_cpu():
     assert Accelerator(cpu=True).device == torch.device("cpu")
 
 
-def test_accelerate_in_several_processes_raises(monkeypatch):
-    # As torchrun would set it for one of two processes (without a process
-    # group, which would wait for the other).
+def test_several_processes_without_local_rank_raise(monkeypatch):
+    # WORLD_SIZE as a launcher that is not torchrun might set it (without a
+    # process group, which would wait for the other): each process would
+    # train alone. Several processes work under torchrun: see
+    # tests/test_accelerate_multiproc.py.
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(NotImplementedError, match="one process only"):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is not set"):
         Accelerator()
+
+
+def test_accelerate_launch_starting_one_of_several_processes_warns(monkeypatch):
+    """`accelerate launch --num_processes 2` without --multi_gpu runs one
+    process (its launcher does not know tpu): that process says so."""
+    for name, value in {"ACCELERATE_USE_CPU": "False", "ACCELERATE_MIXED_PRECISION": "no",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.warns(UserWarning, match="started this process alone.*--multi_gpu"):
+        accelerator = Accelerator()
+    assert accelerator.device == torch.device("tpu") and accelerator.num_processes == 1
 
 
 @pytest.mark.parametrize("accelerate_first", [False, True], ids=["torchtpu_first",
