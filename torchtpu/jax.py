@@ -9,6 +9,7 @@ functionalize(model) gives a module as a pure JAX function of its
 parameters, and export(model, args) its forward as a StableHLO program that
 a process with JAX alone runs."""
 import contextlib
+import inspect
 import os
 
 import jax
@@ -187,12 +188,82 @@ def export(model, args, kwargs=None, dynamic_shapes=None):
     """model's forward (an nn.Module or a torch.export.ExportedProgram) on
     inputs shaped as args (tensors, of any device) as an Exported: a
     StableHLO program of (params, *inputs) returning the forward's outputs
-    as JAX arrays (see functionalize), with the parameters."""
-    if dynamic_shapes is not None:
-        raise NotImplementedError("torchtpu.export: symbolic dimensions (dynamic_shapes) are not "
-                                  "supported yet; export once per input shape")
+    as JAX arrays (see functionalize), with the parameters. kwargs: other
+    arguments, fixed in the program (tensors go in args).
+
+    dynamic_shapes, as torch.export takes it (per argument, by position or
+    by the forward's parameter names: None, or {0: a name or a
+    torch.export.Dim}), makes dimension 0 of those inputs a symbolic batch:
+    the forward is traced for one example and mapped over the batch
+    (jax.vmap), which computes what the batched forward does when its
+    examples are independent, as in inference. The example args are run
+    both ways, and a forward whose examples depend on each other (batch norm
+    in training) is refused."""
+    kwargs = dict(kwargs or {})
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        raise TypeError("torchtpu.export: give tensor inputs in args (they become the program's "
+                        "inputs); kwargs are fixed in the program")
+    batched = _batched_inputs(model, args, dynamic_shapes)
     params, fn = functionalize(model)
     inputs = [_array_of(a) if isinstance(a, torch.Tensor) else a for a in args]
-    kwargs = kwargs or {}
-    exported = jax.export.export(jax.jit(lambda p, *a: fn(p, *a, **kwargs)[0]))(params, *inputs)
+
+    def forward(p, *a):
+        return fn(p, *a, **kwargs)[0]
+
+    if not any(batched):
+        program, specs = jax.jit(forward), inputs
+    else:
+        def one(p, *a):  # one example: each batched input as a batch of one
+            out = forward(p, *[x[None] if b else x for x, b in zip(a, batched)])
+            return jax.tree_util.tree_map(lambda o: o[0], out)
+
+        program = jax.jit(jax.vmap(one, in_axes=(None, *[0 if b else None for b in batched])))
+        _check_independent(program(params, *inputs), jax.jit(forward)(params, *inputs))
+        (batch,) = jax.export.symbolic_shape("batch")
+        specs = [jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype) if b else x
+                 for x, b in zip(inputs, batched)]
+    exported = jax.export.export(program)(params, *specs)
     return Exported(bytes(exported.serialize()), {k: np.asarray(v) for k, v in params.items()})
+
+
+def _batched_inputs(model, args, dynamic_shapes):
+    """For each of args, whether its dimension 0 is the symbolic batch."""
+    if dynamic_shapes is None:
+        return [False] * len(args)
+    if isinstance(dynamic_shapes, dict):
+        forward = model.module() if isinstance(model, torch.export.ExportedProgram) else model
+        names = list(inspect.signature(forward.forward).parameters)
+        unknown = set(dynamic_shapes) - set(names[:len(args)])
+        if unknown:
+            raise ValueError(f"torchtpu.export: dynamic_shapes names {sorted(unknown)}, which are "
+                             f"not among the forward's arguments given: {names[:len(args)]}")
+        dynamic_shapes = [dynamic_shapes.get(n) for n in names[:len(args)]]
+    if len(dynamic_shapes) != len(args):
+        raise ValueError(f"torchtpu.export: dynamic_shapes has {len(dynamic_shapes)} entries "
+                         f"for {len(args)} args")
+    batched = []
+    for a, dims in zip(args, dynamic_shapes):
+        if not dims:
+            batched.append(False)
+            continue
+        if not isinstance(a, torch.Tensor) or a.dim() == 0 or set(dims) != {0}:
+            raise NotImplementedError("torchtpu.export: only dimension 0 of tensor inputs can be "
+                                      f"symbolic (a batch); got {dims}")
+        if a.shape[0] < 2:
+            raise ValueError("torchtpu.export: give an example batch of 2 or more for a symbolic "
+                             "batch dimension (it is checked against the batched forward)")
+        batched.append(True)
+    return batched
+
+
+def _check_independent(mapped, whole):
+    """Refuse a forward that mapped over the examples differs from itself
+    run on the whole batch."""
+    same = jax.tree_util.tree_structure(mapped) == jax.tree_util.tree_structure(whole) and all(
+        a.shape == b.shape and np.allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+        for a, b in zip(jax.tree_util.tree_leaves(mapped), jax.tree_util.tree_leaves(whole)))
+    if not same:
+        raise ValueError("torchtpu.export: the forward's examples are not independent along the "
+                         "batch dimension (each output must be per example, and no op may mix "
+                         "examples, as batch norm in training does), so the batch cannot be "
+                         "symbolic; export once per batch size, or in eval mode")
