@@ -68,6 +68,12 @@ def test_outputs_and_gradients_equal_torchs(name):
     for n, p in model.named_parameters():
         np.testing.assert_allclose(np.asarray(grads[n]), p.grad.numpy(), rtol=1e-4, atol=1e-6,
                                    err_msg=n)
+    # Mapped over two batches: each is the module's forward on that batch.
+    xs = torch.stack([x, torch.randn(shape)])
+    mapped = jax.jit(jax.vmap(lambda b: fn(params, b)[0]))(jnp.asarray(xs.numpy()))
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(mapped[i]), model(xs[i]).detach().numpy(),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_batchnorm_statistics_come_back_as_state():
