@@ -172,3 +172,61 @@ def test_a_coordination_service_that_cannot_start_raises(monkeypatch):
         bootstrap._service_apart()
     monkeypatch.setenv("TORCHTPU_COORDINATOR_PROCESS", "0")
     assert bootstrap._service_apart() is False
+
+
+HOSTS_WORKER = textwrap.dedent("""\
+    import datetime, json, os, sys
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+    import torchtpu
+    local = int(os.environ["LOCAL_RANK"])
+    torch.tpu.set_device(local)
+    dist.init_process_group(device_id=torch.device("tpu", local),
+                            timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(3)]
+    mine = slice(rank * 8 // world, (rank + 1) * 8 // world)
+
+    def train(model, to):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in batches:
+            loss = F.mse_loss(model(x[mine].to(to) if to else x), y[mine].to(to) if to else y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    ref = mlp()
+    train(ref, None)  # one CPU process on the whole batch
+    ddp = mlp().to("tpu")
+    train(torch.nn.parallel.DistributedDataParallel(ddp, device_ids=[local]), "tpu")
+    sharded = mlp().to("tpu")
+    for layer in (sharded[0], sharded[2]):
+        fully_shard(layer)
+    fully_shard(sharded)
+    train(sharded, "tpu")
+    report = {
+        "device": str(torch.tpu.current_device()),
+        "ddp": max((p.detach().cpu() - q).abs().max().item()
+                   for p, q in zip(ddp.parameters(), ref.parameters())),
+        "fsdp": max((p.full_tensor().detach().cpu() - q).abs().max().item()
+                    for p, q in zip(sharded.parameters(), ref.parameters())),
+    }
+    dist.destroy_process_group()
+    json.dump(report, open(sys.argv[1], "w"))
+""")
+
+
+def test_two_hosts_of_two_processes_train_ddp_and_fsdp2(tmp_path):
+    """torchrun --nnodes 2 --nproc-per-node 2, simulated on localhost: each
+    process on its host's tpu:LOCAL_RANK; DDP and FSDP2 steps give one CPU
+    process's weights on the whole batch."""
+    reports = run_ranks(tmp_path, HOSTS_WORKER, 4, timeout=240, per_host=2)
+    assert [r["device"] for r in reports] == ["0", "1", "0", "1"]
+    for r in reports:
+        assert r["ddp"] < 1e-6 and r["fsdp"] < 1e-6, r
