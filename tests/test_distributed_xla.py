@@ -76,7 +76,26 @@ WORKER = textwrap.dedent("""\
     OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR]
     for dtype in DTYPES:
         for op in OPS:
+            if op == R.AVG and not dtype.is_floating_point:
+                continue  # gloo refuses; NCCL's truncated mean and error, below
             same(f"all_reduce {dtype} {op}", all_reduce(dtype, op))
+    # AVG of integers as NCCL gives it: the sum over the ranks divided by
+    # their number, truncated toward zero (rank r holds r+1, -(r+2), 3r+1, 7
+    # in the dtype).
+    for dtype in (torch.uint8, torch.int8, torch.int32, torch.int64):
+        t = data(dtype, "tpu")
+        dist.all_reduce(t, R.AVG)
+        total = torch.zeros(4, dtype=dtype)
+        for r in range(world):  # summed in the dtype (wrapping), as NCCL does
+            total += torch.tensor([r + 1, -(r + 2), 3 * r + 1, 7]).to(dtype)
+        want = torch.div(total, world, rounding_mode="trunc")
+        expect(f"all_reduce {dtype} AVG", (t.dtype, t.cpu().tolist()), (dtype, want.tolist()))
+    t = data(torch.bool, "tpu")
+    try:
+        dist.all_reduce(t, R.AVG)
+        expect("all_reduce bool AVG raises", "no error", "TypeError")
+    except TypeError as e:
+        expect("all_reduce bool AVG raises", str(e), "Cannot use ReduceOp.AVG with boolean inputs")
     # Complex tensors reach the group as view_as_real views of them.
     for op in OPS:  # SUM and AVG; the rest refused before the backend
         same(f"all_reduce complex64 {op}", all_reduce(torch.complex64, op))

@@ -30,6 +30,10 @@ from .integrations import accelerate as _accelerate  # noqa: E402
 
 _accelerate.install()  # Accelerator() and Trainer pick tpu (when accelerate is imported)
 
+from .integrations import lightning as _lightning  # noqa: E402
+
+_lightning.install()  # Trainer(accelerator="torchtpu") (when Lightning is imported)
+
 from .integrations import flex_attention as _flex_attention  # noqa: E402
 
 _flex_attention.install()  # torch.nn.attention.flex_attention on tpu tensors, eagerly

@@ -49,13 +49,14 @@ def _write(t, result):
 
 def _reduction(opts, tensors):
     """The xla.py name of opts.reduceOp, once it is known to apply to the
-    tensors' dtype (the errors PyTorch's CPU backend gives otherwise)."""
+    tensors' dtype (the errors PyTorch's CPU and CUDA backends give
+    otherwise: AVG of integers is NCCL's, truncated; gloo refuses it)."""
     op = opts.reduceOp.op.name.lower()
     if op not in xla.REDUCTIONS:
         raise RuntimeError(f"ReduceOp.{op.upper()} is not supported by the {NAME} backend")
     for t in tensors:
-        if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            torch.empty(0, dtype=t.dtype).div_(1)  # raises PyTorch's own error
+        if op == "avg" and t.dtype == torch.bool:
+            raise TypeError("Cannot use ReduceOp.AVG with boolean inputs")  # as NCCL
         if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
             raise RuntimeError(f"Cannot use ReduceOp.{op.upper()} with non-integral dtype")
     return op

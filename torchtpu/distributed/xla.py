@@ -71,7 +71,7 @@ def _all_reduce(x, *, n, op):
     if x.dtype == jnp.bool_:
         return _reduce_bool(x, op)
     if op == "avg":
-        return lax.psum(x, AXIS) / jnp.asarray(n, x.dtype)
+        return _mean(lax.psum(x, AXIS), n)
     if op in _NATIVE:
         return _NATIVE[op](x, AXIS)
     return _fold(lax.all_gather(x, AXIS), op, n)
@@ -127,7 +127,15 @@ def _reduce_scatter(x, *, n, op, cpu):
                                        keepdims=False)
     else:
         out = lax.psum_scatter(rows, AXIS, scatter_dimension=0, tiled=True).reshape(-1)
-    return out / jnp.asarray(n, x.dtype) if op == "avg" else out
+    return _mean(out, n) if op == "avg" else out
+
+
+def _mean(total, n):
+    """AVG: the sum over n ranks divided by n; for integers, truncated toward
+    zero, as NCCL averages them (gloo refuses)."""
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return lax.div(total, jnp.asarray(n, total.dtype))
+    return total / jnp.asarray(n, total.dtype)
 
 
 def _bool_rows(rows, op):
