@@ -105,19 +105,21 @@ class Watch:
                    f"missing after {self.timeout:g} s: {'; '.join(told)}. {where}.")
         for r in missing:
             self._set(f"{_KEY}stalled/{r}", message)
-        printed = [r for r in missing if self._acknowledged(r)]
-        if printed:
-            message += (f" {', '.join(f'Rank {r}' for r in printed)} printed its Python stack "
-                        "to its stderr and ended.")
+        printed = self._acknowledged(missing)
+        for r in printed:
+            message += f" Rank {r} printed its Python stack to its stderr and ended."
         return message
 
-    def _acknowledged(self, r, wait=_ACK_SECONDS):
+    def _acknowledged(self, ranks, wait=_ACK_SECONDS):
+        """Those of ranks that say they printed their stack, within wait seconds."""
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if self._get(f"{_KEY}printed/{r}", decode=False) is not None:
-                return True
+        printed = []
+        while True:
+            printed = [r for r in ranks
+                       if self._get(f"{_KEY}printed/{r}", decode=False) is not None]
+            if len(printed) == len(ranks) or time.monotonic() > deadline:
+                return printed
             time.sleep(0.1)
-        return False
 
     # The store may be gone (rank 0's process, which serves it, ended): the
     # watchdog then has nothing to say, and the collective's own error stands.
