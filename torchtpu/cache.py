@@ -48,9 +48,9 @@ from jax import monitoring
 
 from . import background, compat, config, metrics, profiling
 from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
-    CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, PROGRAM_PREFIX, STATS, TMP_PREFIX,
-    VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once, cache_dir, clear_disk,
-    disk_info, open_dir, open_disk, readonly, trusted_uids, untrusted_reason)
+    CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, LOOKUPS, PROGRAM_PREFIX, STATS,
+    TMP_PREFIX, VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once,
+    cache_dir, clear_disk, disk_info, open_dir, open_disk, readonly, trusted_uids, untrusted_reason)
 
 if sys.argv[:1] == ["-m"]:
     # `python -m torchtpu.cache` imports the package (and so this module)
@@ -105,9 +105,11 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 def _on_event(event, **kwargs):
     if event == "/jax/compilation_cache/cache_hits":
         metrics.M.disk_cache_hits += 1
+        LOOKUPS["hits"] += 1
         _tl.disk_hit = True
     elif event == "/jax/compilation_cache/cache_misses":
         metrics.M.disk_cache_misses += 1
+        LOOKUPS["misses"] += 1
 
 
 def _on_duration(event, duration, **kwargs):
@@ -378,6 +380,7 @@ def _load_checked(header, rest, device):
 
 def _count_hit(took, saved):
     metrics.M.disk_cache_hits += 1
+    LOOKUPS["hits"] += 1
     STATS.disk_load_seconds += took
     if saved is not None:
         STATS.compile_seconds_saved += max(saved - took, 0.0)
@@ -758,6 +761,11 @@ def _main(argv=None):
     limit = info["limit"]
     print("limit               " + (f"{limit} ({_human(limit)}; TORCHTPU_CACHE_MAX_BYTES)" if limit
                                       else "none (TORCHTPU_CACHE_MAX_BYTES=0)"))
+    rate = info["hit_rate"]
+    print("hit rate            " + ("no lookups recorded" if rate is None else
+                                    f"{100 * rate:.1f}% ({info['hits']} hits, {info['misses']} "
+                                    "misses: executables looked up by the runs that ended "
+                                    "since it was last cleared)"))
     print(f"unverified entries  {info['unverified_entries']}")
     print(f"temporary files     {info['temp_files']}")
     return 0

@@ -20,6 +20,7 @@ deserialization fails. Here:
   current user, root or a uid in TORCHTPU_CACHE_TRUSTED_UIDS and writable by
   nobody else. torchtpu creates directories 0700 and files 0600.
 """
+import atexit
 import contextlib
 import errno
 import hashlib
@@ -43,6 +44,7 @@ ENTRY_SUFFIX = "-cache"   # JAX's name for an entry (torchtpu's records use it t
 CHECK_SUFFIX = "-check"   # torchtpu's integrity record beside it
 TMP_PREFIX = ".tmp-"
 LOCK_NAME = ".torchtpu.lock"
+LOOKUPS_NAME = ".torchtpu-lookups"  # hits and misses of the processes that used it
 _OWN_SUFFIXES = (ENTRY_SUFFIX, CHECK_SUFFIX, "-atime")
 PROGRAM_PREFIX = "program-"  # a fused graph's stored executable
 KERNEL_PREFIX = "kernel-"    # a per-op kernel's record (torchtpu.cache)
@@ -275,9 +277,12 @@ def disk_info(path):
     kernel records, stored values, bytes and leftover temporary files in a cache directory."""
     info = {"dir": path, "exists": bool(path) and os.path.isdir(path), "entries": 0,
             "programs": 0, "kernels": 0, "values": 0, "bytes": 0, "limit": max_bytes(),
-            "unverified_entries": 0, "temp_files": 0}
+            "unverified_entries": 0, "temp_files": 0, "hits": 0, "misses": 0, "hit_rate": None}
     if not info["exists"]:
         return info
+    info["hits"], info["misses"] = _read_lookups(os.path.join(path, LOOKUPS_NAME))
+    if info["hits"] + info["misses"]:
+        info["hit_rate"] = info["hits"] / (info["hits"] + info["misses"])
     names = set()
     for e in os.scandir(path):
         try:
@@ -312,7 +317,8 @@ def clear_disk(path):
     try:
         with _locked(dir_fd, exclusive=True):
             for e in os.scandir(dir_fd):
-                if e.name.startswith(TMP_PREFIX) or e.name.endswith(_OWN_SUFFIXES):
+                if e.name.startswith(TMP_PREFIX) or e.name.endswith(_OWN_SUFFIXES) \
+                        or e.name == LOOKUPS_NAME:
                     try:
                         os.remove(e.name, dir_fd=dir_fd)
                         removed += 1
@@ -356,6 +362,46 @@ def _remove_stale_temps(dir_fd, older_than=3600.0):
         pass
 
 
+# ---- the directory's hit rate ---------------------------------------------------
+# A process counts its own lookups (an executable found on disk or not); at
+# exit it adds them to the directory's totals, so that `python -m
+# torchtpu.cache info`, another process, can give the hit rate of every run
+# since the directory was last cleared. (A killed process adds nothing.)
+
+def _read_lookups(name, dir_fd=None):
+    """(hits, misses) in the lookups file; (0, 0) when missing or unreadable
+    (only counts: a damaged file costs the history, nothing more)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            counts = json.loads(f.read())
+        hits, misses = counts["hits"], counts["misses"]
+        if type(hits) is int and type(misses) is int and hits >= 0 and misses >= 0:
+            return hits, misses
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    return 0, 0
+
+
+def add_lookups(dir_fd, hits, misses):
+    """Add a process's hits and misses to the directory's totals, under the
+    exclusive lock (no two processes add to the same old totals)."""
+    if not hits and not misses:
+        return
+    try:
+        with _locked(dir_fd, exclusive=True):
+            old_hits, old_misses = _read_lookups(LOOKUPS_NAME, dir_fd)
+            tmp = _write_tmp(dir_fd, json.dumps({"hits": old_hits + hits,
+                                                 "misses": old_misses + misses}).encode())
+            try:
+                os.replace(tmp, LOOKUPS_NAME, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError:
+                _unlink(tmp, dir_fd)
+                raise
+    except OSError:  # a full disk, a vanished directory: the counts are lost, nothing else
+        pass
+
+
 # ---- counters ------------------------------------------------------------------
 
 class _Stats:
@@ -395,6 +441,9 @@ class _Stats:
 
 STATS = _Stats()
 metrics.register_provider(STATS.snapshot, STATS.reset)
+# This process's disk lookups of executables, for the directory's hit rate
+# (not reset with the metrics: they are added to the directory's at exit).
+LOOKUPS = {"hits": 0, "misses": 0}
 
 # Per thread (JAX compiles in the calling thread): what the current
 # compile_or_get_cached call found on disk.
@@ -548,4 +597,6 @@ def open_disk(path, read_only):
     if dir_fd is None:
         warnings.warn(f"torchtpu: {why}", stacklevel=3)
         return None
+    if not read_only:  # a read-only run writes nothing, its counts neither
+        atexit.register(lambda: add_lookups(dir_fd, LOOKUPS["hits"], LOOKUPS["misses"]))
     return DiskCache(path, dir_fd, read_only)

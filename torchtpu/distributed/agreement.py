@@ -7,12 +7,15 @@ tensors of different shapes they return wrong values or hang. So the ranks
 first swap a small fixed-size message on the host through gloo (the group's
 timeout applies) and raise on every rank when the descriptions differ.
 A rank that has died, or does not come within the timeout, fails the swap:
-the others raise DistBackendError naming the collective.
+the others raise DistBackendError naming the collective (and, past the
+watchdog's timeout, the missing rank: watchdog.py).
 """
 import hashlib
 
 import torch
 from torch.distributed import DistBackendError
+
+from . import watchdog
 
 _BYTES = 512  # one message: "device id;extra;description", padded
 FUSED_GRAPH = "fused graph"  # how a fused graph's collectives' digest begins
@@ -68,11 +71,18 @@ def _check(name, descriptions, ranks, notes=None):
                            + hint)
 
 
-def _swap(name, *works):
-    """Run gloo's works (functions returning a Work) in turn, waiting for each."""
+def _swap(gloo, name, *works, peer=None):
+    """Run gloo's works (functions returning a Work) in turn, waiting for
+    each (under the group's watchdog, if it has one: watchdog.py)."""
+    w = watchdog.of(gloo)
     try:
-        for work in works:
-            work().wait()
+        if w is not None:
+            w.wait(name, works, peer)
+        else:
+            for work in works:
+                work().wait()
+    except DistBackendError:  # the watchdog's, naming the missing ranks
+        raise
     except RuntimeError as e:
         raise DistBackendError(
             f"{name}: a rank of the group did not take part (it died, or did not call "
@@ -84,7 +94,7 @@ def exchange(gloo, name, device_id, description, extra=""):
     that every rank gave the same description (RuntimeError on all if not)."""
     mine = _encode(device_id, extra, description)
     everyone = torch.empty(gloo.size() * _BYTES, dtype=torch.uint8)
-    _swap(name, lambda: gloo._allgather_base(everyone, mine))
+    _swap(gloo, name, lambda: gloo._allgather_base(everyone, mine))
     decoded = [_decode(b) for b in everyone.view(-1, _BYTES)]
     _check(name, [d for _, _, d in decoded], range(len(decoded)),
            [_note(d, e) for _, e, d in decoded])
@@ -98,7 +108,7 @@ def exchange_pair(gloo, name, device_id, description, peer, sending, tag):
     theirs = torch.empty_like(mine)
     send = lambda: gloo.send([mine], peer, tag)  # noqa: E731
     recv = lambda: gloo.recv([theirs], peer, tag)  # noqa: E731
-    _swap(name, *((send, recv) if sending else (recv, send)))
+    _swap(gloo, name, *((send, recv) if sending else (recv, send)), peer=peer)
     their_device, _, their_description = _decode(theirs)
     me = gloo.rank()
     _check(name, [description, their_description], [me, peer])

@@ -23,7 +23,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                        ReduceScatterOptions, ScatterOptions)
 
 from .. import runtime
-from . import agreement, fsdp_ops, host, in_graph, xla
+from . import agreement, fsdp_ops, host, in_graph, watchdog, xla
 
 NAME = "tpu"
 _BITWISE = ("band", "bor", "bxor")
@@ -78,6 +78,7 @@ class TpuProcessGroup(dist.ProcessGroup):
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        watchdog.watch(self._gloo, store, rank, size)
         # init_process_group(device_id=tpu:N) and pg._get_backend(device) look
         # a C++ backend up by device: gloo is the one this group has.
         for device in ("cpu", NAME):
