@@ -186,6 +186,27 @@ def test_workers_and_an_error_in_the_dataset():
     assert "for x, _ in DeviceLoader(bad, prefetch=2)" in str(here[-1].statement)
 
 
+@pytest.mark.parametrize("sync", ["item", "synchronize"])
+def test_a_sync_point_runs_the_graph_before_waiting_for_uploads(monkeypatch, sync):
+    """In fused mode the pending step's graph is started before the wait
+    for uploads in flight (the next batches), so that the two overlap."""
+    graph_pending = []
+    wait = runtime.wait_transfers
+
+    def recording_wait():
+        graph_pending.append(bool(torchtpu.modes.current()._graph.nodes))
+        wait()
+
+    monkeypatch.setattr(runtime, "wait_transfers", recording_wait)
+    with torchtpu.eager_mode("fused"):
+        y = (torch.arange(6.0, device="tpu") * 2).sum()
+        ahead = torch.ones(1000).pin_memory().to("tpu", non_blocking=True)
+        assert runtime._in_flight and torchtpu.modes.current()._graph.nodes
+        assert (y.item() if sync == "item" else torch.tpu.synchronize()) in (30.0, None)
+        assert graph_pending and not any(graph_pending) and not runtime._in_flight
+        assert_same(ahead, torch.ones(1000), rtol=0, atol=0)
+
+
 @pytest.fixture
 def accelerator():
     pytest.importorskip("accelerate")
@@ -224,6 +245,17 @@ def test_accelerate_prepared_loader(accelerator, eager):
     torch.testing.assert_close(fed_losses, plain_losses, rtol=0, atol=0)
     for a, b in zip(fed_w, plain_w):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_accelerate_dispatch_batches_is_refused(accelerator):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DataLoaderConfiguration
+    AcceleratorState._reset_state(reset_partial_state=True)
+    dispatching = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    loader = dispatching.prepare(DataLoader(_data(8), batch_size=4))
+    with pytest.raises(NotImplementedError, match="dispatch_batches"):
+        DeviceLoader(loader)
 
 
 WORKER = textwrap.dedent("""\
