@@ -161,7 +161,7 @@ def test_early_break_leaves_no_worker_thread_or_pinned_buffer():
     torchtpu.sync()  # the copies issued ahead end; their buffers are freed
     assert _pinned_bytes() == base_bytes
     assert not multiprocessing.active_children()
-    assert threading.active_count() == base_threads
+    assert threading.active_count() <= base_threads  # (the pinning thread ended too)
 
 
 def test_workers_and_an_error_in_the_dataset():
