@@ -68,7 +68,7 @@ def _ahead(batches, device, prefetch):
     error = None
     try:
         while True:
-            while error is None and batches is not None and len(queue) <= prefetch:
+            while batches is not None and len(queue) <= prefetch:
                 try:
                     queue.append(to_device(next(batches), device))
                 except StopIteration:
