@@ -33,6 +33,7 @@ from fused import replay_steps, training_steps  # noqa: E402
 from generate import generate  # noqa: E402
 from generate_floor import generate_floor  # noqa: E402
 from index_check import index_check  # noqa: E402
+from loader import loader  # noqa: E402
 from optim import fused_adamw  # noqa: E402
 from per_op import per_op  # noqa: E402
 from recompiles import recompiles  # noqa: E402
@@ -46,7 +47,7 @@ DOC = os.path.join(ROOT, "docs", "performance.md")
 BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps": replay_steps,
               "amp_training_steps": amp_training_steps,
               "compiled_steps": compiled_steps, "compiled_hf_step": compiled_hf_step,
-              "cache_warm_start": cache_warm_start, "transfers": transfers,
+              "cache_warm_start": cache_warm_start, "transfers": transfers, "loader": loader,
               "index_check": index_check, "fused_adamw": fused_adamw, "generate": generate,
               "generate_floor": generate_floor, "recompiles": recompiles,
               "all_reduce_bandwidth": all_reduce_bandwidth, "ddp_step": ddp_step, "soak": soak}

@@ -58,6 +58,7 @@ from .kernels import custom_jax_kernel  # noqa: E402
 from .reporting import report  # noqa: E402
 from . import profiler  # noqa: E402,F401  (torchtpu.profiler.trace)
 from . import jax  # noqa: E402,F401  (torchtpu.jax.to_jax, from_jax, functionalize)
+from . import data  # noqa: E402,F401  (torchtpu.data.DeviceLoader)
 from .jax import export  # noqa: E402
 # `%load_ext torchtpu` in IPython: the %tpu_mode and %tpu_metrics magics.
 from .ipython import load_ipython_extension  # noqa: E402,F401

@@ -57,8 +57,8 @@ def synchronize(device=None):
     """Wait for all issued work: ops, and uploads from pinned memory."""
     from . import modes  # (its executors need the device registered first)
     properties.checked_index(device)
-    runtime.wait_transfers()
     modes.sync()
+    runtime.wait_transfers()  # after: a fused graph runs while they transfer
 
 
 def _wait_for_all():

@@ -86,8 +86,13 @@ def _host_array(t, reason):
 def download(t, reason="read"):
     """A TpuTensor -> a new CPU tensor with its values: a sync point, for
     reason ("item", "print", ...)."""
-    runtime.wait_transfers()  # pinned sources are free again after a sync
-    return modes.sync_point(reason, lambda reason: _host_array(t, reason))
+    try:
+        return modes.sync_point(reason, lambda reason: _host_array(t, reason))
+    finally:
+        # Pinned sources are free again after a sync. Waited for after the
+        # read, so that a fused graph runs while uploads issued ahead of it
+        # (DeviceLoader's next batches) are still in flight.
+        runtime.wait_transfers()
 
 
 def user_download(t, reason):
