@@ -207,14 +207,7 @@ def _patch_trainer(module):
     trainer._build_accelerator_args = _build_accelerator_args
 
 
-_installed = False
-
-
 def install():
-    global _installed
-    if _installed:
-        return
-    _installed = True
     when_imported("accelerate.state", _patch_state)
     when_imported("accelerate.accelerator", _patch_accelerator)
     when_imported("transformers.trainer", _patch_trainer)

@@ -12,9 +12,15 @@ import importlib.util
 import sys
 
 _waiting = {}  # module name -> functions to call with the module
+_given = set()  # (module name, function) pairs given so far
 
 
 def when_imported(name, fn):
+    """fn(module) once module `name` is imported. A pair given again is
+    ignored, so an integration installed twice patches its library once."""
+    if (name, fn) in _given:
+        return
+    _given.add((name, fn))
     module = sys.modules.get(name)
     if module is not None:
         fn(module)

@@ -146,14 +146,7 @@ def _pass_aot_analyzer(module):
             op.py_impl(analyzer)(lambda mode, *args, op=op, **kwargs: op(*args, **kwargs))
 
 
-_installed = False
-
-
 def install():
-    global _installed
-    if _installed:
-        return
-    _installed = True
     when_imported(_HOP_MODULE, _register_kernels)
     when_imported("torch.nn.attention.flex_attention", _patch_validation)
     # torch.compile(flex_attention) on tpu tensors: the `tpu` backend runs

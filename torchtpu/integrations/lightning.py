@@ -136,14 +136,7 @@ def _patch_ddp(module):
     strategy.determine_ddp_device_ids = determine_ddp_device_ids
 
 
-_installed = False
-
-
 def install():
-    global _installed
-    if _installed:
-        return
-    _installed = True
     for package in ("lightning.pytorch", "pytorch_lightning"):
         when_imported(f"{package}.accelerators", _register_accelerator)
         when_imported(f"{package}.trainer.connectors.accelerator_connector", _patch_connector)
