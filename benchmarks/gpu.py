@@ -40,13 +40,19 @@ SIZES = {
 }
 MODELS = {"mlp": "MLP {sizes}, batch {batch}",
           "gpt": "GPT {layers} layers d{d} h{heads}, seq {seq}, batch {batch}, vocab {vocab}"}
-TPU_MODES = ("strict", "fused", "replayed", "compiled")
-CUDA_MODES = ("cuda_eager", "inductor")
+# A mode ending in _high runs at torch.set_float32_matmul_precision("high")
+# (bf16_3x or TF32 for torchtpu, TF32 for CUDA); the others at "highest".
+HIGH = "_high"
+TPU_MODES = ("strict", "fused", "replayed", "compiled", "fused" + HIGH)
+CUDA_MODES = ("cuda_eager", "inductor", "cuda_eager" + HIGH)
 COLUMNS = [("strict", "strict"), ("fused", "fused"), ("replayed", "replayed"),
            ("compiled", "compiled (tpu backend)"), ("jax_jit", "jax.jit step"),
-           ("cuda_eager", "PyTorch CUDA eager"), ("inductor", "PyTorch Inductor")]
+           ("cuda_eager", "PyTorch CUDA eager"), ("inductor", "PyTorch Inductor"),
+           ("fused" + HIGH, "fused, matmul \"high\""),
+           ("cuda_eager" + HIGH, "CUDA eager, matmul \"high\"")]
 RATIOS = [("fused", "cuda_eager"), ("replayed", "cuda_eager"), ("compiled", "cuda_eager"),
-          ("replayed", "inductor"), ("compiled", "inductor")]
+          ("replayed", "inductor"), ("compiled", "inductor"),
+          ("fused" + HIGH, "cuda_eager" + HIGH)]
 
 
 # ---- in a child process ---------------------------------------------------------
@@ -114,6 +120,9 @@ def _measure_step(model, mode, smoke):
     make_model, make_batch = _makers(model, smoke)
     repeats = SIZES[smoke]["repeats"][model]
     extra = {}
+    if mode.endswith(HIGH):  # (this child process's setting alone)
+        torch.set_float32_matmul_precision("high")
+        mode = mode[:-len(HIGH)]
     if mode == "cuda_eager":
         import workloads
         run, warmup = workloads.torch_step_fn(make_model, make_batch, "cuda"), 3
@@ -251,7 +260,8 @@ def tables(results, smoke):
         lines.append(f"| error: {per_op['error']} | — | — |")
     for r in per_op.get("rows", []):
         lines.append(f"| {r['mode']} | {r['median']:.1f} | {r['best']:.1f} |")
-    short = {"cuda_eager": "CUDA eager", "inductor": "Inductor"}
+    short = {"cuda_eager": "CUDA eager", "inductor": "Inductor",
+             "cuda_eager" + HIGH: "CUDA eager \"high\""}
     head = (["model"] + [t for _, t in COLUMNS] + [f"{a} / {short[b]}" for a, b in RATIOS]
             + ["replay state in place"])
     lines += ["", "AdamW training step, ms per step (median)", "",

@@ -42,6 +42,10 @@ def test_gpu_script_smoke_run_fills_its_tables(tmp_path):
             assert steps[mode]["ms"] > 0, (model, mode, steps[mode])
             assert abs(float(cells[i]) - steps[mode]["ms"]) <= 0.0051
         assert cells[6] == cells[7] == "—"  # PyTorch CUDA eager and Inductor
+        # fused at float32 matmul precision "high", beside "highest"'s fused.
+        assert steps["fused_high"]["ms"] > 0
+        assert abs(float(cells[8]) - steps["fused_high"]["ms"]) <= 0.0051
+        assert cells[9] == "—"  # CUDA eager at "high"
         # Every parameter and optimizer-state tensor updated in its own buffer.
         kept, total = steps["replayed"]["in_place"].split(" of ")
         assert kept == total and int(total) > 0
