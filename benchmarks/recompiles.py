@@ -186,6 +186,39 @@ def recompiles(workloads=WORKLOADS, modes=MODES, timeout=1800):
     return rows
 
 
+def _growth_worker(bptt):
+    """One step of the LSTM model unrolled over bptt steps, every fused graph
+    compiled when met (TORCHTPU_FUSED_COMPILE=sync), so that its compile
+    time is what the step waits for."""
+    os.environ["TORCHTPU_FUSED_COMPILE"] = "sync"
+    import torch
+
+    import torchtpu
+    torchtpu.set_eager_mode("fused")
+    torch.manual_seed(0)
+    _lstm_steps(torch, torchtpu.get_device(), [bptt])()
+    s = torchtpu.metrics.snapshot()
+    sizes = s["fused_ops"]  # ops in a graph -> graphs of that size run
+    ops = sum(n * count for n, count in sizes.items())
+    return [{"bptt": bptt, "graphs": s["graphs_compiled"], "largest": max(sizes, key=int),
+             "compile_s": s["compile_seconds"], "ms_per_op": s["compile_seconds"] / ops * 1e3}]
+
+
+def graph_growth(lengths=(5, 10, 20, 35), timeout=900):
+    """Compile seconds of the LSTM step's fused graphs against their length."""
+    rows = []
+    for bptt in lengths:
+        rows += worker_rows(__file__, ["growth", str(bptt)], timeout)
+    return rows
+
+
+graph_growth.title = "Fused graph compile time against graph length (LSTM step, fresh process)"
+graph_growth.columns = [("bptt", "time steps unrolled", "{}"), ("graphs", "graphs", "{}"),
+                        ("largest", "ops in the largest", "{}"),
+                        ("compile_s", "compile seconds", "{:.1f}"),
+                        ("ms_per_op", "ms per op", "{:.1f}")]
+
+
 recompiles.title = "Compilation a user waits for (fresh process, empty cache)"
 recompiles.columns = [("workload", "workload", "{}"), ("mode", "mode", "{}"),
                       ("steps", "first steps", "{}"),
@@ -204,6 +237,9 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, os.path.join(HERE, ".."))
-        print_rows(_worker(*args.worker))
+        if args.worker[0] == "growth":
+            print_rows(_growth_worker(int(args.worker[1])))
+        else:
+            print_rows(_worker(*args.worker))
     else:
         print(table(recompiles, recompiles(args.workloads, args.modes)))

@@ -36,7 +36,7 @@ from index_check import index_check  # noqa: E402
 from loader import loader  # noqa: E402
 from optim import fused_adamw  # noqa: E402
 from per_op import per_op  # noqa: E402
-from recompiles import recompiles  # noqa: E402
+from recompiles import graph_growth, recompiles  # noqa: E402
 from soak import soak  # noqa: E402
 from transfers import transfers  # noqa: E402
 
@@ -50,6 +50,7 @@ BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps"
               "cache_warm_start": cache_warm_start, "transfers": transfers, "loader": loader,
               "index_check": index_check, "fused_adamw": fused_adamw, "generate": generate,
               "generate_floor": generate_floor, "recompiles": recompiles,
+              "graph_growth": graph_growth,
               "all_reduce_bandwidth": all_reduce_bandwidth, "ddp_step": ddp_step, "soak": soak}
 
 
