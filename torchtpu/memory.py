@@ -10,8 +10,10 @@ issued work (fused mode: runs the pending ops), so that the figures count
 exactly the tensors alive.
 """
 import collections
+import math
 
 import jax
+import jax.numpy as jnp
 
 from . import errors, properties, runtime
 
@@ -199,17 +201,30 @@ def memory_snapshot(device=None):
     return out
 
 
-def _holders_text(most=5):
-    """The largest live device buffers, with the lines that made them where
-    recorded (no sync: an out-of-memory error is being raised)."""
+def pending_bytes(value):
+    """The bytes an array, or a fused-mode pending value, takes."""
+    return math.prod(value.shape) * jnp.dtype(value.dtype).itemsize
+
+
+def _holders_text(most=5, pending=()):
+    """The largest live device buffers, and the pending values of fused mode
+    in `pending` ((value, storage) pairs: a graph's results about to be
+    made), with the lines that made them where recorded (no sync: an
+    out-of-memory error is being raised)."""
+    from . import tensor
     recorded = _recorded()
-    arrays = sorted(jax.live_arrays(runtime.PLATFORM), key=lambda a: -a.nbytes)[:most]
-    if not arrays:
+    lines = tensor.CREATION_LINES or {}
+    held = [(a.nbytes, a, recorded[id(a)][1] if id(a) in recorded else None)
+            for a in jax.live_arrays(runtime.PLATFORM)]
+    held += [(pending_bytes(p), p, lines.get(owner)) for p, owner in pending]
+    held = sorted(held, key=lambda h: -h[0])[:most]
+    if not held:
         return ""
-    held = [f"{a.nbytes / 2**20:.1f} MiB {a.dtype}{list(a.shape)}"
-            + (f" made at {recorded[id(a)][1]}" if id(a) in recorded else "") for a in arrays]
-    hint = "" if recorded else " (torch.tpu.memory._record_memory_history() names their lines)"
-    return "The largest live tensors: " + "; ".join(held) + hint
+    text = [f"{n / 2**20:.1f} MiB {a.dtype}{list(a.shape)}" + (f" made at {line}" if line else "")
+            for n, a, line in held]
+    hint = "" if tensor.CREATION_LINES is not None else (
+        " (torch.tpu.memory._record_memory_history() names their lines)")
+    return "The largest live tensors: " + "; ".join(text) + hint
 
 
 errors.register_memory_holders(_holders_text)
