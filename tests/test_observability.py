@@ -247,3 +247,29 @@ def test_the_memory_fraction_is_checked_as_cudas():
         torch.tpu.set_per_process_memory_fraction(1.5)
     with pytest.raises(TypeError, match="must be `float`"):
         torch.tpu.set_per_process_memory_fraction(1)
+
+
+def test_the_dumped_snapshot_reads_in_pytorchs_memory_visualizer(tmp_path):
+    import pickle
+
+    from torch.cuda import _memory_viz
+    torch.tpu.memory._record_memory_history()
+    try:
+        big = torch.ones(300, 500, device="tpu") * 2
+        big_line = sys._getframe().f_lineno - 1
+        torch.tpu.memory._dump_snapshot(str(tmp_path / "snap.pickle"))
+    finally:
+        torch.tpu.memory._record_memory_history(enabled=None)
+    with open(tmp_path / "snap.pickle", "rb") as f:
+        snap = pickle.load(f)
+    largest = max((b for seg in snap["segments"] for b in seg["blocks"]), key=lambda b: b["size"])
+    assert largest["size"] == 300 * 500 * 4 and largest["state"] == "active_allocated"
+    assert largest["frames"][0]["filename"] == __file__
+    assert largest["frames"][0]["line"] == big_line
+    summary = _memory_viz.segsum(snap)  # the visualizer's text summary of the segments
+    total = sum(seg["total_size"] for seg in snap["segments"])
+    assert f"segments: {len(snap['segments'])}\n" in summary
+    assert f"total_allocated: {_memory_viz.Bytes(total)}\n" in summary
+    stacks = _memory_viz.memory(snap, format_flamegraph=lambda text: text)
+    assert f"test_observability.py:{big_line}:<tpu op> {300 * 500 * 4}" in stacks
+    assert big.sum().item() == 300 * 500 * 2
