@@ -1,6 +1,7 @@
 """Where the time and the memory go: torch.profiler's ranges for torchtpu's
 work (uploads, syncs, fused flushes and graph runs, compiles), the sync
 report, the memory snapshot, out-of-memory errors and the report."""
+import gc
 import json
 import os
 import subprocess
@@ -178,3 +179,97 @@ def test_a_device_trace_names_the_graphs_and_torchtpus_ranges(tmp_path):
     assert any("tpu_fused_" in n for n in names), names
     assert f"torchtpu flush (item): 2 ops at {__file__}:{line}" in names
     assert any(n.startswith("torchtpu sync (profiler) at ") and __file__ in n for n in names)
+
+
+@pytest.mark.parametrize("mode", ["strict", "fused"])
+def test_going_over_the_memory_fraction_raises_naming_the_top_holder_and_loses_nothing(mode):
+    from torchtpu.tensor import Storage
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Linear(256, 256)
+    x_cpu = torch.randn(64, 256)
+    total = torch.tpu.mem_get_info()[1]
+    with torchtpu.eager_mode(mode):
+        model = torch.nn.Linear(256, 256).to("tpu")
+        model.load_state_dict(cpu_model.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = x_cpu.to("tpu")
+
+        def step():
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return loss.item()
+        step()
+        torch.tpu.memory._record_memory_history()
+        gc.collect()  # (earlier tests' garbage may hold device arrays)
+        try:
+            torch.tpu.set_per_process_memory_fraction(
+                (torch.tpu.memory_allocated() + (30 << 20)) / total)
+            held = torch.ones(6000, 1024, device="tpu")  # 23.4 MiB
+            held_line = sys._getframe().f_lineno - 1
+            held2 = None
+            over_line = sys._getframe().f_lineno + 2
+            with pytest.raises(torch.OutOfMemoryError) as e:
+                held2 = held[:4000] * 2  # 15.6 MiB more
+                step()  # fused mode's sync point
+            msg = str(e.value)
+            if mode == "strict":
+                assert msg.startswith(f"torchtpu: aten.mul.Tensor(float32[4000, 1024], 2) at "
+                                      f"{__file__}:{over_line} would take 15.6 MiB, "), msg
+            else:
+                assert msg.startswith("torchtpu: a fused graph of "), msg
+                assert f"run at {__file__}:" in msg and "(item) would keep " in msg
+                assert msg.endswith("Its ops stay pending: free tensors and sync again.")
+            assert "over its limit of " in msg and "set_per_process_memory_fraction(" in msg
+            assert (f"The largest live tensors: 23.4 MiB float32[6000, 1024] made at "
+                    f"{__file__}:{held_line}") in msg, msg
+            del held, held2
+            step()  # the next step runs
+            steps = 2 if mode == "strict" else 3  # (fused: the failed step's ops ran too)
+        finally:
+            torch.tpu.set_per_process_memory_fraction(1.0)
+            torch.tpu.memory._record_memory_history(enabled=None)
+        weight = model.weight.cpu()
+    cpu_opt = torch.optim.SGD(cpu_model.parameters(), lr=0.1)
+    for _ in range(steps):
+        cpu_opt.zero_grad()
+        cpu_model(x_cpu).pow(2).mean().backward()
+        cpu_opt.step()
+    torch.testing.assert_close(weight, cpu_model.weight, rtol=1e-5, atol=1e-6)
+    # With no fraction set, nothing checks storages.
+    assert Storage.__init__ is Storage._init and Storage.assign is Storage._assign
+    assert torch.tpu.get_per_process_memory_fraction() == 1.0
+
+
+def test_the_memory_fraction_is_checked_as_cudas():
+    with pytest.raises(ValueError, match="Allowed range: 0~1"):
+        torch.tpu.set_per_process_memory_fraction(1.5)
+    with pytest.raises(TypeError, match="must be `float`"):
+        torch.tpu.set_per_process_memory_fraction(1)
+
+
+def test_the_dumped_snapshot_reads_in_pytorchs_memory_visualizer(tmp_path):
+    import pickle
+
+    from torch.cuda import _memory_viz
+    torch.tpu.memory._record_memory_history()
+    try:
+        big = torch.ones(300, 500, device="tpu") * 2
+        big_line = sys._getframe().f_lineno - 1
+        torch.tpu.memory._dump_snapshot(str(tmp_path / "snap.pickle"))
+    finally:
+        torch.tpu.memory._record_memory_history(enabled=None)
+    with open(tmp_path / "snap.pickle", "rb") as f:
+        snap = pickle.load(f)
+    largest = max((b for seg in snap["segments"] for b in seg["blocks"]), key=lambda b: b["size"])
+    assert largest["size"] == 300 * 500 * 4 and largest["state"] == "active_allocated"
+    assert largest["frames"][0]["filename"] == __file__
+    assert largest["frames"][0]["line"] == big_line
+    summary = _memory_viz.segsum(snap)  # the visualizer's text summary of the segments
+    total = sum(seg["total_size"] for seg in snap["segments"])
+    assert f"segments: {len(snap['segments'])}\n" in summary
+    assert f"total_allocated: {_memory_viz.Bytes(total)}\n" in summary
+    stacks = _memory_viz.memory(snap, format_flamegraph=lambda text: text)
+    assert f"test_observability.py:{big_line}:<tpu op> {300 * 500 * 4}" in stacks
+    assert big.sum().item() == 300 * 500 * 2

@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import graphs, memory, properties, runtime, streams
+from . import graphs, memory, memory_limit, properties, runtime, streams
 from .ops import random as _random
 from .streams import synchronize
 
@@ -60,6 +60,8 @@ def _module():
     mod.is_bf16_supported = properties.is_bf16_supported
     for name in memory.NAMES:
         setattr(mod, name, getattr(memory, name))
+    for name in memory_limit.NAMES:
+        setattr(mod, name, getattr(memory_limit, name))
     mod.memory = memory  # torch.tpu.memory._record_memory_history(), as torch.cuda.memory's
     for name in streams.NAMES:
         setattr(mod, name, getattr(streams, name))

@@ -183,6 +183,16 @@ def register_memory_holders(fn):
     _memory_holders[0] = fn
 
 
+def over_memory_limit(rest):
+    """The torch.OutOfMemoryError of going over the limit set by
+    torch.tpu.set_per_process_memory_fraction, raised where a storage is
+    made: its message, "at <line> ..." (rest), gets the op in front at the
+    dispatcher (user_error), which knows it."""
+    e = torch.OutOfMemoryError(f"torchtpu: an op {rest}")
+    e._torchtpu_limit_rest = rest
+    return e
+
+
 def _out_of_memory(e, msg):
     """A device allocation that failed (XLA's RESOURCE_EXHAUSTED) raises
     torch.OutOfMemoryError, as CUDA's does, naming what holds the memory."""
@@ -243,6 +253,10 @@ def user_error(e, func, args=(), kwargs=None):
         tb = e.__traceback__
         return e.with_traceback(tb.tb_next if tb is not None else None)
     err = e if getattr(e, "_torchtpu", False) else _translate(e, func, args, kwargs)
+    rest = getattr(err, "_torchtpu_limit_rest", None)
+    if rest is not None:
+        err.args = (f"torchtpu: {describe_call(func, args, kwargs)} {rest}",)
+        err._torchtpu_limit_rest = None
     if err is not e:
         err.__cause__ = None
     err.__suppress_context__ = True

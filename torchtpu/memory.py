@@ -10,8 +10,10 @@ issued work (fused mode: runs the pending ops), so that the figures count
 exactly the tensors alive.
 """
 import collections
+import math
 
 import jax
+import jax.numpy as jnp
 
 from . import errors, properties, runtime
 
@@ -199,17 +201,62 @@ def memory_snapshot(device=None):
     return out
 
 
-def _holders_text(most=5):
-    """The largest live device buffers, with the lines that made them where
-    recorded (no sync: an out-of-memory error is being raised)."""
+def _snapshot(device=None):
+    """memory_snapshot() in the dict torch.cuda.memory._snapshot() returns,
+    which PyTorch's memory visualizer (pytorch.org/memory_viz,
+    torch.cuda._memory_viz) reads: XLA gives each buffer its own allocation,
+    so each live array is a segment of one active block, its frame the
+    line that made it. No allocation events are recorded: the device
+    traces are empty. A sync point."""
+    entries = memory_snapshot(device)
+    segments, address = [], 0
+    for e in entries:
+        frames = []
+        if e["line"] != "<not recorded>":
+            filename, _, line = e["line"].rpartition(":")
+            frames = [{"filename": filename, "line": int(line), "name": "<tpu op>"}]
+        block = {"address": address, "size": e["bytes"], "requested_size": e["bytes"],
+                 "state": "active_allocated", "frames": frames}
+        segments.append({"device": e["device"], "address": address, "total_size": e["bytes"],
+                         "allocated_size": e["bytes"], "active_size": e["bytes"],
+                         "requested_size": e["bytes"], "stream": 0, "segment_type": "large",
+                         "segment_pool_id": (0, 0), "is_expandable": False, "blocks": [block]})
+        address += max(e["bytes"], 1)  # (addresses only tell segments apart)
+    return {"segments": segments, "device_traces": [[] for _ in runtime.DEVICES],
+            "allocator_settings": {}}
+
+
+def _dump_snapshot(filename="dump_snapshot.pickle"):
+    """Write _snapshot() as torch.cuda.memory._dump_snapshot does (a pickle)."""
+    import pickle
+    with open(filename, "wb") as f:
+        pickle.dump(_snapshot(), f)
+
+
+def pending_bytes(value):
+    """The bytes an array, or a fused-mode pending value, takes."""
+    return math.prod(value.shape) * jnp.dtype(value.dtype).itemsize
+
+
+def _holders_text(most=5, pending=()):
+    """The largest live device buffers, and the pending values of fused mode
+    in `pending` ((value, storage) pairs: a graph's results about to be
+    made), with the lines that made them where recorded (no sync: an
+    out-of-memory error is being raised)."""
+    from . import tensor
     recorded = _recorded()
-    arrays = sorted(jax.live_arrays(runtime.PLATFORM), key=lambda a: -a.nbytes)[:most]
-    if not arrays:
+    lines = tensor.CREATION_LINES or {}
+    held = [(a.nbytes, a, recorded[id(a)][1] if id(a) in recorded else None)
+            for a in jax.live_arrays(runtime.PLATFORM)]
+    held += [(pending_bytes(p), p, lines.get(owner)) for p, owner in pending]
+    held = sorted(held, key=lambda h: -h[0])[:most]
+    if not held:
         return ""
-    held = [f"{a.nbytes / 2**20:.1f} MiB {a.dtype}{list(a.shape)}"
-            + (f" made at {recorded[id(a)][1]}" if id(a) in recorded else "") for a in arrays]
-    hint = "" if recorded else " (torch.tpu.memory._record_memory_history() names their lines)"
-    return "The largest live tensors: " + "; ".join(held) + hint
+    text = [f"{n / 2**20:.1f} MiB {a.dtype}{list(a.shape)}" + (f" made at {line}" if line else "")
+            for n, a, line in held]
+    hint = "" if tensor.CREATION_LINES is not None else (
+        " (torch.tpu.memory._record_memory_history() names their lines)")
+    return "The largest live tensors: " + "; ".join(text) + hint
 
 
 errors.register_memory_holders(_holders_text)
@@ -224,4 +271,4 @@ NAMES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_mem
          "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
          "reset_accumulated_memory_stats", "memory_stats", "memory_summary", "mem_get_info",
          "empty_cache", "memory_cached", "max_memory_cached", "memory_snapshot",
-         "_record_memory_history")
+         "_record_memory_history", "_snapshot", "_dump_snapshot")

@@ -65,18 +65,39 @@ class Lost:
 # since -> the user's line that made it (torch.tpu.memory_snapshot()).
 CREATION_LINES = None
 
+# name -> fn(storage), called after each storage is made (_made) or given a
+# new array (_assigned), while any is set (watch_storages).
+_made = {}
+_assigned = {}
+
+
+def watch_storages(name, made=None, assigned=None):
+    """Call made(storage) after each Storage is made and assigned(storage)
+    after each Storage.assign, under name (both None: stop). Storage takes
+    an __init__ and an assign that call them only while some are set: the
+    dispatcher makes a storage for every op, and a check there would cost
+    every op."""
+    for table, fn in ((_made, made), (_assigned, assigned)):
+        table.pop(name, None)
+        if fn is not None:
+            table[name] = fn
+    Storage.__init__ = Storage._init_watched if _made else Storage._init
+    Storage.assign = Storage._assign_watched if _assigned else Storage._assign
+
+
+def _note_line(storage):
+    CREATION_LINES[storage] = errors.user_line()
+
 
 def record_creation_lines(on):
-    """Note, or stop noting, the user's line that makes each storage. Storage
-    takes an __init__ that notes it only while on: the dispatcher makes a
-    storage for every op, and a check there would cost every op."""
+    """Note, or stop noting, the user's line that makes each storage."""
     global CREATION_LINES
     if not on:
         CREATION_LINES = None
-        Storage.__init__ = Storage._init
+        watch_storages("lines")
     elif CREATION_LINES is None:
         CREATION_LINES = weakref.WeakKeyDictionary()
-        Storage.__init__ = Storage._init_noting_line
+        watch_storages("lines", made=_note_line)
 
 
 class Storage:
@@ -92,16 +113,23 @@ class Storage:
 
     __init__ = _init
 
-    def _init_noting_line(self, array, device=0):
+    def _init_watched(self, array, device=0):
         self._init(array, device)
-        CREATION_LINES[self] = errors.user_line()
+        for fn in list(_made.values()):
+            fn(self)
 
-    def assign(self, array):
+    def _assign(self, array):
         """Replace the data (a write through any view of this storage)."""
         self.array = array
         if type(array) is Pending:
             array.owner = weakref.ref(self)
 
+    assign = _assign
+
+    def _assign_watched(self, array):
+        self._assign(array)
+        for fn in list(_assigned.values()):
+            fn(self)
 
 
 class GrownStorage(Storage):

@@ -124,6 +124,17 @@ class _Graph:
         self.anchor = None     # the last node a backward pass recorded (its first output)
 
 
+# memory_check(device index, the live (Pending, owner) pairs, describe()) before a graph runs,
+# while torch.tpu.set_per_process_memory_fraction's limit is set
+# (torchtpu.memory_limit sets it; None costs a flush one check).
+memory_check = None
+
+
+def _op_names(g, most=6):
+    names = [str(k.name) for k, _ in g.nodes[:most]]
+    return ", ".join(names) + (", ..." if len(g.nodes) > most else "")
+
+
 class GraphEntry(typing.NamedTuple):
     """What the graph cache holds for a graph's key: how it runs, and its
     kernels (held, so that their ids in the key stay theirs)."""
@@ -362,6 +373,13 @@ class FusedExecutor(StrictExecutor):
                 # (Not kept: dead ops were dropped, and its collectives must
                 # run on every rank. It runs, then the error is raised.)
                 refused = e
+        if memory_check is not None and renamed is None:
+            try:
+                memory_check(g.device, live, lambda: (
+                    f"a fused graph of {len(g.nodes)} ops ({_op_names(g)}) run at {site} ({reason})"))
+            except Exception:
+                self._graph = g  # kept pending: nothing is lost
+                raise
         churning, met = self._note_churn(site, key, entry is not None)
         run, state = self._runner(g, key, entry, live_refs, donate, site, churning, met)
         STATS.flushes[reason] += 1
