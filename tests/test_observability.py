@@ -273,3 +273,29 @@ def test_the_dumped_snapshot_reads_in_pytorchs_memory_visualizer(tmp_path):
     stacks = _memory_viz.memory(snap, format_flamegraph=lambda text: text)
     assert f"test_observability.py:{big_line}:<tpu op> {300 * 500 * 4}" in stacks
     assert big.sum().item() == 300 * 500 * 2
+
+
+def test_torch_profilers_on_trace_ready_writes_the_device_trace(tmp_path):
+    """torch.profiler.profile(on_trace_ready=torchtpu.profiler.device_trace_handler(dir)):
+    the device trace of each recorded window, with a schedule of two active
+    steps, and the handler it is given next called too."""
+    seen = []
+    with torchtpu.eager_mode("fused"):
+        model = torch.nn.Linear(8, 4).to("tpu")
+        x = torch.randn(16, 8).to("tpu")
+        handler = torchtpu.profiler.device_trace_handler(tmp_path, then=seen.append)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    schedule=torch.profiler.schedule(wait=1, warmup=1, active=2),
+                                    on_trace_ready=handler) as prof:
+            for _ in range(4):
+                model(x).sum().item()
+                prof.step()
+    import jax
+    (path,) = tmp_path.glob("plugins/profile/*/*.xplane.pb")
+    names = {ev.name for plane in jax.profiler.ProfileData.from_file(str(path)).planes
+             for row in plane.lines for ev in row.events}
+    assert any("tpu_fused_" in n for n in names), names
+    assert any(n.startswith("torchtpu flush (item): ") and __file__ in n for n in names), names
+    assert seen == [prof]
+    # The device trace stops with the recording: nothing traces afterwards.
+    assert torchtpu.profiling.DEVICE_TRACE[0] is False
