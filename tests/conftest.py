@@ -49,6 +49,26 @@ def debug_mode():
         yield "debug"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_of_this_file_only():
+    """Each test file ends by dropping the kernels it compiled. A test worker
+    compiles thousands of distinct kernels in one process, more than any
+    program does, and each XLA CPU executable holds memory mappings (3 each):
+    kept for a whole run, a worker reached Linux's limit of 65,530 mappings,
+    and XLA's next compile died of a segfault."""
+    yield
+    import gc
+
+    import jax
+    try:
+        torchtpu.sync()
+    except Exception:  # a test's own pending error: that test has reported it
+        pass
+    torchtpu.cache.clear()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
