@@ -49,24 +49,31 @@ def debug_mode():
         yield "debug"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _kernels_of_this_file_only():
-    """Each test file ends by dropping the kernels it compiled. A test worker
-    compiles thousands of distinct kernels in one process, more than any
-    program does, and each XLA CPU executable holds memory mappings (3 each):
-    kept for a whole run, a worker reached Linux's limit of 65,530 mappings,
-    and XLA's next compile died of a segfault."""
-    yield
-    import gc
+# Linux lets a process hold 65,530 memory mappings; each XLA CPU executable
+# holds 3. A test worker compiles thousands of distinct kernels in one
+# process, more than any program does: past the limit XLA's next compile
+# died of a segfault. Past this many, a test starts with the kernels dropped.
+_MAPPINGS_KEPT = 30_000
 
-    import jax
+
+def _mappings():
     try:
-        torchtpu.sync()
-    except Exception:  # a test's own pending error: that test has reported it
-        pass
-    torchtpu.cache.clear()
-    jax.clear_caches()
-    gc.collect()
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _mappings_under_the_limit():
+    if _mappings() > _MAPPINGS_KEPT:
+        import gc
+
+        import jax
+        torchtpu.cache.clear()
+        jax.clear_caches()
+        gc.collect()
+    yield
 
 
 @pytest.fixture(autouse=True)
