@@ -49,33 +49,6 @@ def debug_mode():
         yield "debug"
 
 
-# Linux lets a process hold 65,530 memory mappings; each XLA CPU executable
-# holds 3. A test worker compiles thousands of distinct kernels in one
-# process, more than any program does: past the limit XLA's next compile
-# died of a segfault. Past this many, a test starts with the kernels dropped.
-_MAPPINGS_KEPT = 30_000
-
-
-def _mappings():
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:  # not Linux: no such limit to keep under
-        return 0
-
-
-@pytest.fixture(autouse=True)
-def _mappings_under_the_limit():
-    if _mappings() > _MAPPINGS_KEPT:
-        import gc
-
-        import jax
-        torchtpu.cache.clear()
-        jax.clear_caches()
-        gc.collect()
-    yield
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -501,6 +501,32 @@ def test_memory_tier_evicts_least_recently_used(monkeypatch):
     cache.clear(memory=True)
 
 
+@pytest.mark.skipif(cache.MAPPINGS_KEPT is None, reason="no vm.max_map_count: not Linux")
+def test_memory_tier_keeps_the_process_under_its_mapping_limit(monkeypatch):
+    """Each loaded XLA CPU executable holds memory mappings of its own, and
+    past vm.max_map_count XLA's next compile segfaults: the memory tier sheds
+    its older half once the process holds more than MAPPINGS_KEPT."""
+    import gc
+
+    import torch
+    cache.clear(memory=True)
+    gc.collect()
+    start = cache._mappings()
+    monkeypatch.setattr(cache, "MAPPINGS_KEPT", start + 400)
+    monkeypatch.setattr(cache, "_MAPPINGS_EVERY", 8)
+    sheds = cache.STATS.memory_sheds
+    peak = 0
+    for n in range(1, 301):  # 300 shapes: 600 distinct kernels, over 1,800 mappings kept unbounded
+        x = torch.arange(float(n), device="tpu")
+        got = (x * 2 + 1).cpu()
+        assert torch.equal(got, torch.arange(float(n)) * 2 + 1)
+        peak = max(peak, cache._mappings())
+    assert cache.STATS.memory_sheds > sheds
+    # at most one check's worth of kernels (8 stores, 10 mappings each at most) over
+    assert peak < start + 400 + 8 * 10
+    cache.clear(memory=True)
+
+
 def test_command_line_info_and_clear(tmp_path, capsys):
     d = tmp_path / "c"
     d.mkdir()

@@ -33,6 +33,7 @@ if __name__ == "__main__":  # python -m torchtpu.cache: use the package's module
 
 import atexit
 import collections
+import gc
 import hashlib
 import json
 import os
@@ -62,6 +63,32 @@ if sys.argv[:1] == ["-m"]:
 MEMORY_ENTRIES = config.MEMORY_CACHE_ENTRIES.number()
 # An OrderedDict in recency order: a hit costs one more C-level move.
 _memory = collections.OrderedDict()
+
+
+def _map_limit():
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):  # not Linux: no such limit
+        return None
+
+
+def _mappings():
+    with open("/proc/self/maps", "rb") as f:
+        return f.read().count(b"\n")
+
+
+# XLA's CPU runtime maps each loaded executable's code and data into regions
+# of their own (3 to 10 a kernel, more for a large graph). Linux refuses a
+# process more than vm.max_map_count of them (65,530 by default), and XLA's
+# next compile then dies of a segfault, which thousands of distinct kernels
+# in one long process reach. So the memory tier also sheds its older half
+# whenever the process holds over half that limit (checked every
+# _MAPPINGS_EVERY stores; a check reads /proc/self/maps, 50 us to 2 ms).
+_limit = _map_limit()
+MAPPINGS_KEPT = _limit // 2 if _limit else None
+_MAPPINGS_EVERY = 128
+_stores = 0
 
 
 
@@ -156,10 +183,23 @@ def lookup(key):
 
 
 def store(key, entry):
+    global _stores
     _memory[key] = entry
     if len(_memory) > MEMORY_ENTRIES:
         _memory.popitem(last=False)
+    _stores += 1
+    if MAPPINGS_KEPT and _stores % _MAPPINGS_EVERY == 0 and _mappings() > MAPPINGS_KEPT:
+        _shed()
     return entry
+
+
+def _shed():
+    """Drop the older half of the memory tier, and the executables only it
+    held (their disk records stay: a later miss loads them again)."""
+    for _ in range(len(_memory) // 2):
+        _memory.popitem(last=False)
+    gc.collect()
+    STATS.memory_sheds += 1
 
 
 def served_generally(general, key):

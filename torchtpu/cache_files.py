@@ -410,6 +410,7 @@ class _Stats:
 
     def reset(self):
         self.memory_misses = 0
+        self.memory_sheds = 0
         self.disk_evicted = 0
         self.disk_corrupt = 0
         self.disk_untrusted = 0
@@ -425,6 +426,7 @@ class _Stats:
 
     def snapshot(self):
         return {"memory_cache_misses": self.memory_misses,
+                "memory_cache_sheds": self.memory_sheds,
                 "disk_cache_evicted": self.disk_evicted,
                 "disk_cache_corrupt": self.disk_corrupt,
                 "disk_cache_untrusted": self.disk_untrusted,
