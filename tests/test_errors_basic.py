@@ -105,6 +105,32 @@ def test_error_points_at_user_line(debug_mode):
     assert "user_line" in frames
 
 
+def test_user_line_when_the_package_is_imported_through_an_unnormalized_path(tmp_path):
+    """torchtpu imported through sys.path entry "<repo>/tests/..": its code's
+    file names hold the "..", and errors still name the user's line."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "user.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.join(repo, 'tests', '..')!r})\n"
+        "import torch, torchtpu\n"
+        "assert '..' in torchtpu.__file__, torchtpu.__file__\n"
+        "torchtpu.set_eager_mode('fused')\n"
+        "x = torch.ones(3, device='tpu')\n"
+        "y = x[torch.tensor([5], device='tpu')]\n"
+        "try:\n"
+        "    y.cpu()\n"
+        "except IndexError as e:\n"
+        "    print(e)\n"
+        "print(torchtpu.metrics.sync_report())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=dict(env, TORCHTPU_CACHE_DIR="off"), timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"(aten.index.Tensor at {script}:7)" in proc.stdout, proc.stdout
+    assert "user.py:9: cpu x1" in proc.stdout, proc.stdout
+
+
 def test_error_in_a_backward_op_raises_from_backward(tmp_path):
     """An op failing in a backward pass raises from backward() in every mode
     (torch 2.13 aborts the process if it is raised inside the pass); the

@@ -59,8 +59,12 @@ def full_traceback():
 
 def is_internal(filename):
     # (FX's generated code, "<eval_with_key>.N", is torch's too: the user's
-    # line is the one that called the compiled module.)
-    return filename.startswith(_SKIP) or filename.startswith(("<frozen", "<eval_with_key>"))
+    # line is the one that called the compiled module. A package imported
+    # through a path such as "scripts/.." or a relative one has code named
+    # by that path: it is compared normalized.)
+    if filename.startswith(("<frozen", "<eval_with_key>")):
+        return True
+    return filename.startswith(_SKIP) or os.path.abspath(filename).startswith(_SKIP)
 
 
 # code object -> whether it is torchtpu's, torch's or JAX's, so that finding
