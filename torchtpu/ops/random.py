@@ -232,6 +232,37 @@ def multinomial(probs, num_samples, replacement=False, *, generator=None, key):
     return out.astype(jnp.int64)
 
 
+# ---- the samplers of torch.distributions (Gamma, Beta, Dirichlet, Poisson,
+# Binomial): each draws in float32 at least, then casts to its input's dtype.
+
+@lower(aten._standard_gamma.default, random=True)
+def standard_gamma(alpha, *args, generator=None, key, **kw):
+    return jax.random.gamma(key, alpha.astype(_float_dtype(alpha.dtype))).astype(alpha.dtype)
+
+
+@lower(aten._standard_gamma_grad.default)
+def standard_gamma_grad(alpha, sample):
+    """d sample / d alpha of a Gamma(alpha, 1) draw (its rsample's gradient)."""
+    dtype = _float_dtype(alpha.dtype)
+    return jax.lax.random_gamma_grad(alpha.astype(dtype), sample.astype(dtype)).astype(alpha.dtype)
+
+
+@lower(aten._sample_dirichlet.default, random=True)
+def sample_dirichlet(alpha, *args, generator=None, key, **kw):
+    return jax.random.dirichlet(key, alpha.astype(_float_dtype(alpha.dtype))).astype(alpha.dtype)
+
+
+@lower(aten.poisson.default, random=True)
+def poisson(rate, *args, generator=None, key, **kw):
+    return jax.random.poisson(key, rate.astype(_float_dtype(rate.dtype))).astype(rate.dtype)
+
+
+@lower(aten.binomial.default, random=True)
+def binomial(count, prob, *args, generator=None, key, **kw):
+    dtype = _float_dtype(count.dtype)
+    return jax.random.binomial(key, count.astype(dtype), prob.astype(dtype)).astype(count.dtype)
+
+
 def dropout_keep(key, shape, p):
     """Which elements dropout with probability p keeps (dropout and the
     attention op's dropout)."""

@@ -76,6 +76,17 @@ def all_(x, dim=None, keepdim=False):
     return jnp.all(_truth(x), axis=_axes(x, dim), keepdims=keepdim)
 
 
+# (torch.distributions' argument checks: a bool tensor's all/any, as a 0-dim tensor.)
+@lower(aten._is_all_true.default)
+def is_all_true(x):
+    return jnp.all(x)
+
+
+@lower(aten._is_any_true.default)
+def is_any_true(x):
+    return jnp.any(x)
+
+
 # ---- extrema (NaN propagates; indices are the first max/min) ---------------
 
 @lower(aten.amax.default, aten.max.default)
