@@ -112,12 +112,12 @@ def _graph_runs(record):
     inputs are copied because a graph donates those it overwrites."""
     import jax
     from torchtpu import cache
-    from torchtpu.modes import fused
+    from torchtpu.modes import graph
     lookup = cache.lookup
 
     def recording(key):
         entry = lookup(key)
-        if entry is None or not isinstance(key, fused._GraphKey):
+        if entry is None or not isinstance(key, graph.GraphKey):
             return entry
         run = entry[0]
 

@@ -206,13 +206,13 @@ def test_churning_site_recovers_when_a_graph_recurs(fused):
 def test_failed_graph_runs_op_by_op(fused, monkeypatch):
     # A graph that fails to compile or run (an XLA limit, say) falls back to
     # its ops' own kernels: every tensor gets its value, nothing is lost.
-    from torchtpu.modes import fused as fused_mode
+    from torchtpu.modes import graph
 
     def broken(nodes, live_refs, donate=None):
         def run(inputs, scalars):
             raise RuntimeError("graph too large")
         return run
-    monkeypatch.setattr(fused_mode, "_build_graph", broken)
+    monkeypatch.setattr(graph, "build", broken)
     x = torch.arange(6.0).to("tpu")
     y = x * 3.5 + 0.25   # a graph key no other test makes
     z = y.exp()
@@ -223,7 +223,7 @@ def test_failed_graph_runs_op_by_op(fused, monkeypatch):
 
 
 def test_failed_op_in_graph_marks_only_its_results_lost(fused, monkeypatch):
-    from torchtpu.modes import fused as fused_mode
+    from torchtpu.modes import graph
 
     def broken(nodes, live_refs, donate=None):
         def run(inputs, scalars):
@@ -233,8 +233,8 @@ def test_failed_op_in_graph_marks_only_its_results_lost(fused, monkeypatch):
         if "mul" in kernel.name:
             raise RuntimeError("op failed")
         return kernel.jitted(*args)
-    monkeypatch.setattr(fused_mode, "_build_graph", broken)
-    monkeypatch.setattr(fused_mode, "_call_jitted", failing_mul)
+    monkeypatch.setattr(graph, "build", broken)
+    monkeypatch.setattr(graph, "call_jitted", failing_mul)
     x = torch.arange(4.0).to("tpu")
     a = x + 1.5
     b = a * 2.5

@@ -242,6 +242,43 @@ def test_going_over_the_memory_fraction_raises_naming_the_top_holder_and_loses_n
     assert torch.tpu.get_per_process_memory_fraction() == 1.0
 
 
+def test_over_the_memory_fraction_a_compiled_graph_names_xlas_planned_peak():
+    """A fused graph compiled before, run again over the limit: the error
+    gives the temporaries XLA's memory analysis plans for it (here at least
+    the 1 MiB softmax(x @ x) held while the second matmul runs)."""
+    import re
+
+    from torchtpu.modes import graph
+    x_cpu = torch.randn(512, 512)
+    total = torch.tpu.mem_get_info()[1]
+    with torchtpu.eager_mode("fused"):
+        x = x_cpu.to("tpu")
+
+        def f():
+            return ((x @ x).softmax(-1) @ x * 0.75).sum(0)  # one flush, at .cpu()
+        for _ in range(3):  # met, compiled, run compiled
+            f().cpu()
+        gc.collect()
+        try:
+            torch.tpu.set_per_process_memory_fraction((torch.tpu.memory_allocated() + 1024) / total)
+            with pytest.raises(torch.OutOfMemoryError) as e:
+                f().cpu()  # its 2 KiB result goes over
+        finally:
+            torch.tpu.set_per_process_memory_fraction(1.0)
+        msg = str(e.value)
+        del e  # (its traceback's frames hold x: the tests after it see no such tensor)
+        planned = re.search(r"XLA plans the graph ([0-9.]+) MiB of temporaries at its peak "
+                            r"\(its compiled memory analysis\), beside 1\.0 MiB of arguments "
+                            r"and 0\.0 MiB of results\.", msg)
+        assert planned, msg
+        temps = {round(ex.memory_analysis().temp_size_in_bytes / 2**20, 1)
+                 for ex in map(graph.executable_of, [v for v in torchtpu.cache._memory.values()
+                                                      if isinstance(v, graph.GraphEntry)]) if ex is not None}
+        assert float(planned.group(1)) >= 1.0 and float(planned.group(1)) in temps, (msg, temps)
+        torch.testing.assert_close(f().cpu(), ((x_cpu @ x_cpu).softmax(-1) @ x_cpu * 0.75).sum(0),
+                                   rtol=1e-4, atol=1e-3)
+
+
 def test_the_memory_fraction_is_checked_as_cudas():
     with pytest.raises(ValueError, match="Allowed range: 0~1"):
         torch.tpu.set_per_process_memory_fraction(1.5)

@@ -263,13 +263,13 @@ def test_tiered_graph_whose_compile_fails_runs_op_by_op(tiered, monkeypatch):
 def test_tiered_op_error_raises_at_the_flush_and_loses_only_its_results(tiered, monkeypatch):
     """An op failing in an op-by-op run (here, its kernel) raises at the
     sync point, marks what it feeds lost, and keeps everything else."""
-    from torchtpu.modes import fused as fused_mode
+    from torchtpu.modes import graph
 
     def failing_exp(kernel, args):
         if "exp" in kernel.name:
             raise RuntimeError("op failed")
         return kernel.jitted(*args)
-    monkeypatch.setattr(fused_mode, "_call_jitted", failing_exp)
+    monkeypatch.setattr(graph, "call_jitted", failing_exp)
     x = torch.arange(4.0).to("tpu")
     a = x * 1.25 + 0.5
     b = a.exp()
@@ -392,7 +392,7 @@ def test_a_step_longer_than_the_fused_limit_makes_the_same_graphs_each_step(monk
 def test_tiered_flush_switches_to_the_graph_ready_half_way(tiered, monkeypatch):
     """The graph's compilation finishes while its ops run one by one: the
     rest of the flush is the graph's, from the same inputs."""
-    from torchtpu.modes import fused as fused_mode
+    from torchtpu.modes import graph
     from torchtpu.modes.fused import STATS
 
     def f(t):
@@ -410,6 +410,6 @@ def test_tiered_flush_switches_to_the_graph_ready_half_way(tiered, monkeypatch):
         if len(calls) == 3:
             tiered()  # the compile thread runs, and finishes the graph
         return kernel.jitted(*args)
-    monkeypatch.setattr(fused_mode, "_call_jitted", call)
+    monkeypatch.setattr(graph, "call_jitted", call)
     torch.testing.assert_close(f(t), want)  # met again: compiled meanwhile
     assert STATS.switched_while_compiling == 1 and len(calls) == 3, calls

@@ -463,6 +463,28 @@ class _FirstCall:
         return self.call(*args)
 
 
+def compiled_of(jitted, specs):
+    """The XLA executable behind what jit_stored gave for arguments like
+    specs (shape_specs of them), once compiled or loaded; None before that.
+    (A plain jax.jit, with no disk tier, gives it from JAX's caches.)"""
+    if isinstance(jitted, background.Job):
+        return jitted.value if jitted.done and jitted.error is None else None
+    if isinstance(jitted, _FirstCall):
+        return jitted.call
+    if hasattr(jitted, "lower"):
+        return jitted.lower(*specs).compile()
+    return None
+
+
+def shape_specs(args):
+    """args with each array as its shape, dtype and sharding: what compiling
+    for them takes, without keeping the arrays (or their buffers) alive."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                       weak_type=getattr(x, "weak_type", False))
+        if isinstance(x, jax.Array) else x, args)
+
+
 def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when="first call"):
     """jit(fn) for arguments like args (a fused graph's) through a stored
     executable: key_text describes fn completely and the same way in every
@@ -504,11 +526,7 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
             return background.finished(compiled)
     if not compile:
         return None
-    # Shapes only: the thread must not keep the arrays (or their buffers) alive.
-    specs = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                       weak_type=getattr(x, "weak_type", False))
-        if isinstance(x, jax.Array) else x, args)
+    specs = shape_specs(args)  # (the thread must not keep the arrays alive)
 
     def work():
         if key is None:

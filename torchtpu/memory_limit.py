@@ -58,10 +58,10 @@ def set_per_process_memory_fraction(fraction, device=None):
         _recount(index)
     if LIMITS:
         tensor.watch_storages("memory limit", made=_made, assigned=_assigned)
-        fused.memory_check = _check_graph
+        fused.check_memory_with(_check_graph)
     else:
         tensor.watch_storages("memory limit")
-        fused.memory_check = None
+        fused.check_memory_with(None)
         _counted.clear()
         _totals.clear()
 
@@ -133,10 +133,10 @@ def _over(index, total, pending=()):
             f"{_mib(size)})." + (f" {holders}" if holders else ""))
 
 
-def _check_graph(index, results, describe):
+def _check_graph(index, results, describe, entry):
     """Fused mode's flush, before it runs a graph on tpu:index whose kept
     results are `results` ((Pending, its storage) pairs): raise if they would
-    go over the limit."""
+    go over the limit. entry: the graph's cache entry, if it has one."""
     if index not in LIMITS:
         return
     result_bytes = sum(memory.pending_bytes(p) for p, _ in results)
@@ -146,7 +146,21 @@ def _check_graph(index, results, describe):
     if total > LIMITS[index][1]:
         raise torch.OutOfMemoryError(
             f"torchtpu: {describe()} would keep {_mib(result_bytes)} of results, bringing "
-            + _over(index, total, results).rstrip(".") + ". Its ops stay pending: free tensors and sync again.")
+            + _over(index, total, results).rstrip(".") + "." + _planned(entry)
+            + " Its ops stay pending: free tensors and sync again.")
+
+
+def _planned(entry):
+    """What XLA's compiled memory analysis plans for a run of the graph, if
+    it is compiled: the peak of its temporaries comes on top of the rest."""
+    from .modes import graph
+    executable = graph.executable_of(entry)
+    if executable is None:
+        return ""
+    stats = executable.memory_analysis()
+    return (f" XLA plans the graph {_mib(stats.temp_size_in_bytes)} of temporaries at its peak "
+            f"(its compiled memory analysis), beside {_mib(stats.argument_size_in_bytes)} of "
+            f"arguments and {_mib(stats.output_size_in_bytes)} of results.")
 
 
 NAMES = ("set_per_process_memory_fraction", "get_per_process_memory_fraction")

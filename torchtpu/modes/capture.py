@@ -27,9 +27,10 @@ import jax.numpy as jnp
 
 from .. import bounds, errors, runtime
 from . import checks as value_checks
+from . import graph
 from ..ops import random as rng
 from ..tensor import Lost, Pending, Storage
-from .fused import FusedExecutor, _build_graph, _donation_order, _Graph, _live
+from .fused import FusedExecutor
 
 
 class CaptureSyncError(RuntimeError):
@@ -100,8 +101,8 @@ class CaptureExecutor(FusedExecutor):
         """The CapturedGraph of what was recorded; written storages get back
         the values they had before capture, created ones zeros."""
         g = self._graph
-        self._graph = _Graph()
-        live = _live(g)
+        self._graph = graph.Graph()
+        live = graph.live_values(g)
         owners = {}
         input_storages = []
         for i, ref in enumerate(g.input_owners):
@@ -120,9 +121,9 @@ class CaptureExecutor(FusedExecutor):
                 for s, x in zip(input_storages, g.inputs)]
         if any(mask):
             donate = tuple(mask)
-            live = _donation_order(g, live, donate)
+            live = graph.donation_order(g, live, donate)
         live_refs = tuple(p.ref for p, _ in live)
-        run = _build_graph(g, live_refs, donate if any(donate) else None) if g.nodes else None
+        run = graph.build(g, live_refs, donate if any(donate) else None) if g.nodes else None
         checks = bounds.unread_checks()[self._checks_start:]
         device = runtime.DEVICES[g.device]
         for p, owner in live:
@@ -143,13 +144,13 @@ class CaptureExecutor(FusedExecutor):
         """A failed capture: written storages get back their values, the ones
         it created are lost (reading them raises error)."""
         g = self._graph
-        self._graph = _Graph()
+        self._graph = graph.Graph()
         originals = {}
         for i, ref in enumerate(g.input_owners):
             s = ref()
             if s is not None:
                 originals[id(s)] = g.inputs[i]
-        for p, owner in _live(g):
+        for p, owner in graph.live_values(g):
             original = originals.get(id(owner))
             owner.array = original if original is not None else Lost(error, p.shape, p.dtype)
         bounds.check()

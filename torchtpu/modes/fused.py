@@ -37,8 +37,6 @@ the ranks' graphs stay alike.
 """
 import collections
 import sys
-import time
-import typing
 import warnings
 import weakref
 
@@ -46,10 +44,9 @@ import jax
 import torch
 
 from .. import bounds, cache, config, errors, metrics, profiling, recompiles
-from . import checks
+from . import checks, graph
 from ..tensor import Lost, Pending
-from .refs import (FIRST_RESULTS, INPUTS, SCALARS, Fenced, Input, Result, Scalar, arguments,
-                   first_result, numbered, results)
+from .refs import FIRST_RESULTS, INPUTS, SCALARS, Input, Scalar, first_result, numbered, results
 from .strict import StrictExecutor
 
 
@@ -106,57 +103,17 @@ STATS = _Stats()
 metrics.register_provider(STATS.snapshot, STATS.reset)
 
 
-class _Graph:
-    """The ops recorded since the last flush."""
-
-    def __init__(self):
-        self.nodes = []       # (kernel, refs)
-        self.outputs = []     # every Pending the nodes produce
-        self.inputs = []      # concrete arrays fed to the graph
-        self.input_owners = []  # weak reference to the storage each input came from
-        self.input_refs = {}  # id(array) -> its Input
-        self.scalars = []     # dynamic scalars fed to the graph
-        self.device = 0       # the index of the device all its ops run on
-        self.side_values = {}  # ref -> the value a side graph computed for a read
-        self.collectives = 0   # collective nodes among them
-        self.mesh = None       # the devices its collectives span
-        self.recomputed = set()  # nodes recorded while a backward pass recomputes a forward
-        self.anchor = None     # the last node a backward pass recorded (its first output)
+# Called before a graph runs while torch.tpu.set_per_process_memory_fraction's
+# limit is set (None costs a flush one check); see check_memory_with.
+_memory_check = None
 
 
-# memory_check(device index, the live (Pending, owner) pairs, describe()) before a graph runs,
-# while torch.tpu.set_per_process_memory_fraction's limit is set
-# (torchtpu.memory_limit sets it; None costs a flush one check).
-memory_check = None
-
-
-def _op_names(g, most=6):
-    names = [str(k.name) for k, _ in g.nodes[:most]]
-    return ", ".join(names) + (", ..." if len(g.nodes) > most else "")
-
-
-class GraphEntry(typing.NamedTuple):
-    """What the graph cache holds for a graph's key: how it runs, and its
-    kernels (held, so that their ids in the key stay theirs)."""
-    run: object         # run(inputs, scalars) -> the live values
-    kernels: list
-
-
-class _GraphKey:
-    """A graph's key with its hash computed once: the cache lookup, its
-    recency update and the churn check each hash it, and hashing a step's
-    key (a tuple per op) costs about 0.15 us per op."""
-    __slots__ = ("parts", "hash")
-
-    def __init__(self, parts):
-        self.parts = parts
-        self.hash = hash(parts)
-
-    def __hash__(self):
-        return self.hash
-
-    def __eq__(self, other):
-        return type(other) is _GraphKey and self.hash == other.hash and self.parts == other.parts
+def check_memory_with(check):
+    """Have check(device index, the live (Pending, owner) pairs, describe(),
+    the graph's GraphEntry or None) called before each graph runs; None: no
+    check. It raises to keep the graph's ops pending."""
+    global _memory_check
+    _memory_check = check
 
 
 class FusedExecutor(StrictExecutor):
@@ -166,7 +123,7 @@ class FusedExecutor(StrictExecutor):
 
     def __init__(self):
         super().__init__()
-        self._graph = _Graph()
+        self._graph = graph.Graph()
         self._regions = {}  # flush site -> recent (new graph?) flags
         self._debug = config.FUSE_DEBUG.on()
         self._limit = max_ops()
@@ -209,12 +166,12 @@ class FusedExecutor(StrictExecutor):
                 n = len(g.scalars)
                 refs.append(SCALARS[n] if n < len(SCALARS) else numbered(SCALARS, Scalar, n))
                 g.scalars.append(x)
-        outs_aval, written_aval = kernel.avals or _abstract(kernel, flat)
+        outs_aval, written_aval = kernel.avals or graph.abstract(kernel, flat)
         if _graph_task_id() != -1:
             # In a backward pass: a forward op that checkpointing recomputes
             # (grad mode is on only then) reads its inputs through a fence.
             if torch.is_grad_enabled():
-                refs = _fenced(g, refs, ni)
+                refs = graph.fenced(g, refs, ni)
             elif outs_aval or written_aval:
                 g.anchor = ni
         g.nodes.append((kernel, tuple(refs)))
@@ -298,16 +255,16 @@ class FusedExecutor(StrictExecutor):
         checked = type(flag.array) is Pending and bounds.depends_on_unread(storage)
         if checked:
             wanted.append(flag.array.ref)
-        needed = _needed(g, wanted)
-        if _mesh_jit([g.nodes[i] for i in needed]) is not None:
+        needed = graph.needed_nodes(g, wanted)
+        if graph.collective_jit([g.nodes[i] for i in needed]) is not None:
             return None  # it needs a collective: every rank must run the graph
-        sub, renamed = _subgraph(g, needed)
+        sub, renamed = graph.subgraph(g, needed)
         live_refs = tuple(renamed[r] for r in wanted)
-        key = _GraphKey(("side", tuple([(id(k), refs) for k, refs in sub.nodes]), live_refs))
+        key = graph.GraphKey(("side", tuple([(id(k), refs) for k, refs in sub.nodes]), live_refs))
         entry = cache.lookup(key)
         try:
             if entry is None:
-                entry = cache.store(key, GraphEntry(_build_graph(sub, live_refs), [k for k, _ in sub.nodes]))
+                entry = cache.store(key, graph.GraphEntry(graph.build(sub, live_refs), [k for k, _ in sub.nodes]))
                 STATS.side_graphs_compiled += 1
             values = entry.run(sub.inputs, sub.scalars)
         except Exception:
@@ -331,9 +288,9 @@ class FusedExecutor(StrictExecutor):
         self._limit = max_ops()
         if not g.nodes:
             return
-        self._graph = _Graph()
+        self._graph = graph.Graph()
         self._cut = reason == "limit"  # (a sync sets the boundary, not the limit)
-        live = _live(g)
+        live = graph.live_values(g)
         if not live and not g.collectives and not checks.nan_checks_on():
             # Nothing recorded is held any more (the empty buffer of each
             # upload, replaced by its data): there is nothing to run.
@@ -343,7 +300,7 @@ class FusedExecutor(StrictExecutor):
             # Every rank must run the same program: drop what one rank alone
             # computed and no longer holds (a value it read). (Not with NaN
             # checks on: their record of lines follows the recorded nodes.)
-            g, renamed = _without_dead_nodes(g, live)
+            g, renamed = graph.without_dead_nodes(g, live)
         try:
             with profiling.span(lambda: f"torchtpu flush ({reason}): {len(g.nodes)} ops at {errors.user_line()}"):
                 self._issue(g, live, renamed, reason)
@@ -354,12 +311,12 @@ class FusedExecutor(StrictExecutor):
     def _issue(self, g, live, renamed, reason):
         """Compile (or find) and run graph g, giving each live value's owner its array."""
         self._last = None  # the last graph's results: maybe this one's inputs, to donate
-        donate = None if checks.nan_checks_on() else _donatable(g, live)
+        donate = None if checks.nan_checks_on() else graph.donatable(g, live)
         if donate is not None:
-            live = _donation_order(g, live, donate)
+            live = graph.donation_order(g, live, donate)
         live_refs = tuple(p.ref if renamed is None else renamed[p.ref] for p, _ in live)
         # Kernels stand for their ops (the entry holds them, so ids stay theirs).
-        key = _GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
+        key = graph.GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
         entry = cache.lookup(key)
         site = errors.user_line()
         refused = None
@@ -373,10 +330,10 @@ class FusedExecutor(StrictExecutor):
                 # (Not kept: dead ops were dropped, and its collectives must
                 # run on every rank. It runs, then the error is raised.)
                 refused = e
-        if memory_check is not None and renamed is None:
+        if _memory_check is not None and renamed is None:
             try:
-                memory_check(g.device, live, lambda: (
-                    f"a fused graph of {len(g.nodes)} ops ({_op_names(g)}) run at {site} ({reason})"))
+                _memory_check(g.device, live, lambda: (
+                    f"a fused graph of {len(g.nodes)} ops ({graph.op_names(g)}) run at {site} ({reason})"), entry)
             except Exception:
                 self._graph = g  # kept pending: nothing is lost
                 raise
@@ -432,7 +389,7 @@ class FusedExecutor(StrictExecutor):
         None if job (the graph's compilation) succeeds before they are done."""
         values = {}
         try:
-            return _replay(g.nodes, live_refs, g.inputs, g.scalars, _call_jitted, values, job)
+            return graph.replay(g.nodes, live_refs, g.inputs, g.scalars, graph.call_jitted, values, job)
         except Exception as e:
             for (p, owner), ref in zip(live, live_refs):
                 value = values.get(ref)
@@ -458,8 +415,8 @@ class FusedExecutor(StrictExecutor):
             warnings.warn(f"torchtpu: a fused graph of {len(g.nodes)} ops flushed at {site} failed "
                           f"to compile ({type(job.error).__name__}: {str(job.error)[:200]}); its ops "
                           "run one by one", stacklevel=5)
-            return cache.store(key, GraphEntry(_op_by_op_run(g.nodes, live_refs), entry.kernels)).run, "op-by-op"
-        collective = _mesh_jit(g.nodes) is not None
+            return cache.store(key, graph.GraphEntry(graph.op_by_op_run(g.nodes, live_refs), entry.kernels)).run, "op-by-op"
+        collective = graph.collective_jit(g.nodes) is not None
         if churning and not collective:
             # This site's graphs keep changing: run its ops one by one with
             # their own (cached) kernels instead of compiling another graph.
@@ -469,26 +426,26 @@ class FusedExecutor(StrictExecutor):
                               f"{site} (new shapes every step?); running them op by op "
                               "instead of recompiling (counted in metrics fused_fallbacks)",
                               stacklevel=5)
-            return _op_by_op_run(g.nodes, live_refs), "op-by-op"
+            return graph.op_by_op_run(g.nodes, live_refs), "op-by-op"
         kernels = [k for k, _ in g.nodes]
-        if collective or len(g.nodes) < background_min_ops() or not compile_in_background():
+        if collective or len(g.nodes) < graph.background_min_ops() or not graph.compile_in_background():
             # A small graph compiles faster than its ops' own kernels would
             # for an op-by-op run; a graph holding a collective is compiled
             # and run by every rank.
             STATS.graphs_compiled += 1
-            return cache.store(key, GraphEntry(_build_graph(g, live_refs, donate), kernels)).run, "miss"
+            return cache.store(key, graph.GraphEntry(graph.build(g, live_refs, donate), kernels)).run, "miss"
         if not met:
             # Met for the first time: op by op, unless an earlier process
             # stored its executable. Only a graph that recurs is worth
             # compiling: a first step's often does not, and compiling it
             # would slow the steps after it.
-            run = _build_graph(g, live_refs, donate, "stored")
+            run = graph.build(g, live_refs, donate, "stored")
             if run is not None:
-                return cache.store(key, GraphEntry(run, kernels)).run, "hit"
+                return cache.store(key, graph.GraphEntry(run, kernels)).run, "hit"
             STATS.run_first_met += 1
-            return _op_by_op_run(g.nodes, live_refs), "first met"
+            return graph.op_by_op_run(g.nodes, live_refs), "first met"
         STATS.graphs_compiled += 1
-        return cache.store(key, GraphEntry(_build_graph(g, live_refs, donate, "background"),
+        return cache.store(key, graph.GraphEntry(graph.build(g, live_refs, donate, "background"),
                                            kernels)).run, "compiling"
 
     def forget_sites(self):
@@ -513,285 +470,4 @@ class FusedExecutor(StrictExecutor):
         return not met and len(flags) == CHURN_WINDOW and sum(flags) >= CHURN_NEW_KEYS, met
 
 
-def _live(g):
-    """(pending value, its storage) for each of g's outputs a storage still
-    holds: what running g must materialize."""
-    live = []
-    for p in g.outputs:
-        owner = p.owner() if p.owner is not None else None
-        if owner is not None and owner.array is p:
-            live.append((p, owner))
-    return live
-
-
 _graph_task_id = torch._C._current_graph_task_id
-
-
-def _fenced(g, refs, ni):
-    """refs of node ni, an op recomputed in a backward pass, with those from
-    outside the recomputation (the graph's inputs, the forward's results)
-    read through a fence."""
-    g.recomputed.add(ni)
-    recomputed = g.recomputed
-    anchor = None if g.anchor is None else Result(g.anchor, 0)
-    return [Fenced(r, anchor) if type(r) is Input or (type(r) is Result and r.node not in recomputed)
-            else r for r in refs]
-
-
-def _refs_read(refs):
-    """The Results and Inputs refs read, Fenced ones' anchors included."""
-    for r in refs:
-        if type(r) is Fenced:
-            yield r.ref
-            if r.anchor is not None:
-                yield r.anchor
-        else:
-            yield r
-
-
-def _needed(g, refs, keep=()):
-    """The indices of g's nodes that computing refs (pending refs of g) and
-    the nodes in keep takes, in order."""
-    nodes = g.nodes
-    needed = set(keep)
-    stack = [r.node for r in refs] + list(keep)
-    while stack:
-        ni = stack.pop()
-        needed.add(ni)
-        for r in _refs_read(nodes[ni][1]):
-            if type(r) is Result and r.node not in needed:
-                needed.add(r.node)
-                stack.append(r.node)
-    return sorted(needed)
-
-
-def _subgraph(g, needed):
-    """The graph of g's nodes at the indices in needed (in order, each taking
-    what it takes from the earlier ones), with its own inputs and scalars:
-    (that _Graph, {g's pending ref: the sub-graph's})."""
-    sub = _Graph()
-    sub.device = g.device
-    at = {}          # g's node index -> the sub-graph's
-    mine = {Input: {}, Scalar: {}}  # g's Input or Scalar -> the sub-graph's
-    renamed = {}
-    for ni in needed:
-        kernel, refs = g.nodes[ni]
-        new = tuple([_moved_ref(r, g, sub, at, mine) for r in refs])
-        at[ni] = len(sub.nodes)
-        sub.nodes.append((kernel, new))
-        if ni in g.recomputed:
-            sub.recomputed.add(at[ni])
-    for p in g.outputs:
-        ni = p.ref.node
-        if ni in at:
-            renamed[p.ref] = Result(at[ni], p.ref.index)
-    return sub, renamed
-
-
-def _moved_ref(r, g, sub, at, mine):
-    """g's ref r as the sub-graph's (_subgraph). Not a closure: one that
-    calls itself is a reference cycle, which would keep the sub-graph's
-    inputs alive (and so not donatable) until the next garbage collection."""
-    kind = type(r)
-    if kind is Result:
-        return Result(at[r.node], r.index)
-    if kind is Fenced:
-        return Fenced(_moved_ref(r.ref, g, sub, at, mine),
-                      None if r.anchor is None else _moved_ref(r.anchor, g, sub, at, mine))
-    ref = mine[kind].get(r)
-    if ref is None:
-        if kind is Input:
-            ref = Input(len(sub.inputs))
-            sub.inputs.append(g.inputs[r.index])
-            sub.input_owners.append(g.input_owners[r.index])
-        else:
-            ref = Scalar(len(sub.scalars))
-            sub.scalars.append(g.scalars[r.index])
-        mine[kind][r] = ref
-    return ref
-
-
-def _without_dead_nodes(g, live):
-    """g without the nodes that neither a live value nor a collective needs:
-    (g or that sub-graph, None or its renaming of g's refs)."""
-    collectives = [i for i, node in enumerate(g.nodes) if _mesh_jit([node]) is not None]
-    needed = _needed(g, [p.ref for p, _ in live], collectives)
-    if len(needed) == len(g.nodes):
-        return g, None
-    return _subgraph(g, needed)
-
-
-def _abstract(kernel, flat):
-    """Output avals of kernel for these inputs (cached on the kernel: its key
-    fixes the input avals). Tracing a new kernel here, once, also raises a
-    lowering's errors at the user's line rather than at the next flush."""
-    avals = kernel.avals
-    if avals is None:
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in flat]
-        avals = kernel.avals = cache.eval_shape_kernel(kernel, specs)  # (through its record)
-    return avals
-
-
-def _call_traced(kernel, args):
-    return kernel.fn(*args)
-
-
-def _call_jitted(kernel, args):
-    return kernel.jitted(*args)
-
-
-def _replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
-    """Run the recorded nodes (call(kernel, args) runs one) and return the
-    values of live_refs. values: where Result -> value is kept.
-    until: a background.Job; once it has succeeded, stop and return None.
-    Fences are optimization barriers where the nodes are traced into one
-    computation (call is _call_traced); op by op, XLA merges nothing."""
-    values = {} if values is None else values
-    fence = call is _call_traced
-    for ni, (kernel, refs) in enumerate(nodes):
-        if until is not None and until.done and until.error is None:
-            return None
-        outs, written = call(kernel, arguments(refs, values, inputs, scalars, fence))
-        produced = (*outs, *written)
-        for r, v in zip(results(ni, len(produced)), produced):
-            values[r] = v
-    return [values[r] for r in live_refs]
-
-
-def _op_by_op_run(nodes, live_refs):
-    """A graph's run(inputs, scalars) that calls its ops' own kernels."""
-    return lambda inputs, scalars: _replay(nodes, live_refs, inputs, scalars, _call_jitted)
-
-
-def _donatable(g, live):
-    """Which inputs to donate (XLA then updates them in place, as an
-    optimizer step overwrites parameters and state): those no tensor holds
-    any more (the graph overwrote them), as many of each shape and dtype as
-    results of that shape and dtype need; None if none."""
-    wanted = collections.Counter((p.shape, p.dtype) for p, _ in live)
-    mask = []
-    for a in g.inputs:
-        # Held only by g.inputs (plus this loop and getrefcount's argument).
-        free = sys.getrefcount(a) <= 3
-        kind = (a.shape, a.dtype)
-        if free and wanted[kind] > 0:
-            wanted[kind] -= 1
-            mask.append(True)
-        else:
-            mask.append(False)
-    return tuple(mask) if any(mask) else None
-
-
-def _donation_order(g, live, donate):
-    """live reordered so that each donated input's buffer goes to the value
-    that replaced it in its storage (a parameter's buffer to the updated
-    parameter). JAX gives the k-th donated input of a shape and dtype to the
-    k-th output of that shape and dtype; given another (the gradient, say),
-    XLA must copy the input to keep reading it while the output is written."""
-    at = {id(p): j for j, (p, _) in enumerate(live)}
-    pairs = []  # (donated input, the live value that replaced it, or None)
-    for i, d in enumerate(donate):
-        if d:
-            storage = g.input_owners[i]()
-            p = storage.array if storage is not None else None
-            j = at.get(id(p))
-            same_kind = j is not None and (p.shape, p.dtype) == (g.inputs[i].shape, g.inputs[i].dtype)
-            pairs.append((i, j if same_kind else None))
-    claimed = {j for _, j in pairs if j is not None}
-    first, taken = [], set()
-    for i, j in pairs:
-        if j is None or j in taken:
-            # No successor: a live value of its kind that no input claims
-            # (_donatable donates no more of a kind than there are).
-            kind = (g.inputs[i].shape, g.inputs[i].dtype)
-            j = next((j for j, (p, _) in enumerate(live)
-                      if j not in claimed and j not in taken and (p.shape, p.dtype) == kind), None)
-            if j is None:
-                continue
-        taken.add(j)
-        first.append(live[j])
-    return first + [x for j, x in enumerate(live) if j not in taken]
-
-
-def background_min_ops():
-    """The fewest ops a new graph has to compile in the background (below,
-    XLA compiles it in about the time its ops' own kernels would take)."""
-    return config.FUSED_BACKGROUND_OPS.number()
-
-
-def compile_in_background():
-    """Whether a new graph compiles on the compile thread while its flushes
-    run op by op (tiered compilation; TORCHTPU_FUSED_COMPILE=sync: not)."""
-    return config.FUSED_COMPILE.text().lower() != "sync"
-
-
-def _build_graph(g, live_refs, donate=None, when="first call"):
-    """The compiled graph as run(inputs, scalars); inputs marked in donate
-    are passed as a donated argument. when (cache.jit_stored's): compiled
-    at its first call, or in the "background" on the compile thread (not a
-    graph holding a collective), run.job saying when it is done; or only
-    loaded if "stored" (else None)."""
-    nodes = list(g.nodes)
-    start = time.perf_counter()
-    donate = donate or (False,) * len(g.inputs)
-    given = [i for i, d in enumerate(donate) if d]
-    kept = [i for i, d in enumerate(donate) if not d]
-
-    def graph(donated, rest, scalars):
-        inputs = [None] * len(donate)
-        for i, x in zip(given, donated):
-            inputs[i] = x
-        for i, x in zip(kept, rest):
-            inputs[i] = x
-        return _replay(nodes, live_refs, inputs, scalars, _call_traced)
-
-    graph.__name__ = graph.__qualname__ = f"tpu_fused_{len(nodes)}ops"
-    args = ([g.inputs[i] for i in given], [g.inputs[i] for i in kept], g.scalars)
-    mesh_jit = _mesh_jit(nodes)
-    if mesh_jit is not None:
-        # It holds a collective: one program over the group's devices.
-        jitted = mesh_jit(graph, args, (0,) if given else (), nodes, live_refs)
-    else:
-        key_text = _stable_key(nodes, live_refs, g)
-        if key_text is not None:
-            key_text += f"\ndonated {given}"
-        jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
-                                  device=g.device, when=when)
-    metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
-
-    if jitted is None:
-        return None
-    if mesh_jit is None and when != "first call":
-        def run(inputs, scalars):
-            return jitted.value([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
-        run.job = jitted
-        return run
-
-    def run(inputs, scalars):
-        return jitted([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
-    return run
-
-
-def _mesh_jit(nodes):
-    """The compiler a collective among nodes brings for its graph (see
-    distributed/in_graph.py; a graph holding one is never run op by op for
-    churn, as every rank must run the same program), or None."""
-    for kernel, _ in nodes:
-        mesh_jit = getattr(kernel, "mesh_jit", None)
-        if mesh_jit is not None:
-            return mesh_jit
-    return None
-
-
-def _stable_key(nodes, live_refs, g):
-    """The graph described the same way in every process (kernels by their op
-    and argument specs, not their identity), or None if some kernel cannot be."""
-    parts = []
-    for kernel, refs in nodes:
-        if kernel.stable_key is None:
-            return None
-        parts.append(f"{kernel.stable_key} <- {refs}")
-    parts.append(f"live {live_refs}")
-    parts.append("inputs " + " ".join(f"{x.dtype}{list(x.shape)}" for x in g.inputs))
-    parts.append("scalars " + " ".join(type(x).__name__ for x in g.scalars))
-    return "\n".join(parts)
