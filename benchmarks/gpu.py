@@ -5,7 +5,10 @@ It measures the per-op cost (benchmarks/per_op.py, plus PyTorch CUDA eager)
 and the AdamW training steps of the MLP and the small GPT of
 benchmarks/fused.py: torchtpu strict, fused, replayed (torch.tpu.graph) and
 compiled (`torch.compile(step, backend="tpu")`), the MLP as one jax.jit
-function, and PyTorch CUDA eager and `torch.compile` (Inductor). Each figure
+function, and PyTorch CUDA eager and `torch.compile` (Inductor); and
+benchmarks/checkpoint_memory.py's figures: XLA's peak memory for a GPT step
+with and without activation checkpointing, fused, replayed and compiled, and
+its jax.checkpoint control. Each figure
 comes from its own subprocess with a timeout (a failure or a timeout is a
 row saying so, the rest still run), the median of several steps after
 warm-up. It prints markdown tables and, if $OUT is set, writes them and the
@@ -33,10 +36,13 @@ ROOT = os.path.dirname(HERE)
 SIZES = {
     False: {"mlp": {"sizes": (784, 1024, 1024, 10), "batch": 128},
             "gpt": {"vocab": 512, "d": 256, "heads": 4, "layers": 4, "seq": 128, "batch": 8},
-            "per_op": {"n_ops": 1000, "size": 128, "repeats": 9}, "repeats": {"mlp": 20, "gpt": 10}},
+            "per_op": {"n_ops": 1000, "size": 128, "repeats": 9}, "repeats": {"mlp": 20, "gpt": 10},
+           "checkpoint": {}},  # (checkpoint_memory.py's own sizes)
     True: {"mlp": {"sizes": (16, 32, 32, 4), "batch": 8},
            "gpt": {"vocab": 32, "d": 16, "heads": 2, "layers": 1, "seq": 8, "batch": 2},
-           "per_op": {"n_ops": 20, "size": 8, "repeats": 2}, "repeats": {"mlp": 2, "gpt": 2}},
+           "per_op": {"n_ops": 20, "size": 8, "repeats": 2}, "repeats": {"mlp": 2, "gpt": 2},
+           "checkpoint": {"size": {"vocab": 32, "d": 16, "heads": 2, "layers": 2, "seq": 8},
+                          "batch": 2, "warmup": 2, "repeats": 2}},
 }
 MODELS = {"mlp": "MLP {sizes}, batch {batch}",
           "gpt": "GPT {layers} layers d{d} h{heads}, seq {seq}, batch {batch}, vocab {vocab}"}
@@ -50,6 +56,7 @@ COLUMNS = [("strict", "strict"), ("fused", "fused"), ("replayed", "replayed"),
            ("cuda_eager", "PyTorch CUDA eager"), ("inductor", "PyTorch Inductor"),
            ("fused" + HIGH, "fused, matmul \"high\""),
            ("cuda_eager" + HIGH, "CUDA eager, matmul \"high\"")]
+CHECKPOINT_PATHS = ("fused", "replayed", "compiled", "jax")
 RATIOS = [("fused", "cuda_eager"), ("replayed", "cuda_eager"), ("compiled", "cuda_eager"),
           ("replayed", "inductor"), ("compiled", "inductor"),
           ("fused" + HIGH, "cuda_eager" + HIGH)]
@@ -174,10 +181,19 @@ def _environment():
     return env
 
 
+def _measure_checkpoint(path, checkpointed, smoke):
+    import checkpoint_memory
+    if path == "jax" and smoke:
+        return checkpoint_memory.measure(path, checkpointed, repeats=2)
+    return checkpoint_memory.measure(path, checkpointed, **SIZES[smoke]["checkpoint"])
+
+
 def child(spec):
     sys.path[:0] = [ROOT, HERE]
     if spec["what"] == "env":
         return _environment()
+    if spec["what"] == "checkpoint":
+        return _measure_checkpoint(spec["path"], spec["checkpointed"], spec["smoke"])
     if spec["what"] == "per_op":
         return _measure_per_op(spec["smoke"])
     return _measure_step(spec["model"], spec["mode"], spec["smoke"])
@@ -221,6 +237,8 @@ def plan(smoke, cuda):
     for model in ("mlp", "gpt"):
         modes = TPU_MODES + (("jax_jit",) if model == "mlp" else ()) + (CUDA_MODES if cuda else ())
         specs += [{"what": "step", "model": model, "mode": m} for m in modes]
+    specs += [{"what": "checkpoint", "path": p, "checkpointed": c}
+              for p in CHECKPOINT_PATHS for c in (False, True)]
     for s in specs:
         s["smoke"] = smoke
     return specs
@@ -279,9 +297,34 @@ def tables(results, smoke):
                  + [_cell(r, "{:.2f}x") for r in ratios]
                  + [_cell(steps.get("replayed", {}).get("in_place"))])
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", _checkpoint_table(results.get("checkpoint", {}), smoke, errors)]
     if errors:
         lines += ["", "Not measured:", ""] + errors
     return "\n".join(lines)
+
+
+def _checkpoint_table(measures, smoke, errors):
+    """checkpoint_memory.py's table of the measures ({"PATH:way": figures}),
+    the rows of a path that failed left out (its error in errors)."""
+    import checkpoint_memory
+    from common import table
+    size = SIZES[smoke]["checkpoint"].get("size")
+    model = (checkpoint_memory.MODEL if not smoke
+             else "GPT {layers} layers d{d} h{heads}, seq {seq} (smoke)".format(**size))
+    rows = []
+    for path in CHECKPOINT_PATHS:
+        two = [measures.get(f"{path}:{c}", {"error": "not run"}) for c in (False, True)]
+        failed = [f"- checkpoint_memory {path} {way}: {m['error']}"
+                  for way, m in zip(("not", "checkpointed"), two) if "error" in m]
+        if failed:
+            errors += failed
+            continue
+        rows += checkpoint_memory.compare(*two, model=model)
+    for row in rows:
+        if row["loss_diff"] is None:
+            row["loss_diff"] = float("nan")
+    bench = checkpoint_memory.checkpoint_memory
+    return bench.title + "\n\n" + table(bench, rows)
 
 
 def main(argv=None):
@@ -292,7 +335,8 @@ def main(argv=None):
                         help="seconds for the whole run (default 540: a 10-minute slot)")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds per child")
     parser.add_argument("--rows", help="only these figures, in this order: comma-separated "
-                        "MODEL:MODE (e.g. gpt:fused,mlp:inductor), MODEL, or per_op")
+                        "MODEL:MODE (e.g. gpt:fused,mlp:inductor), MODEL, per_op, or checkpoint "
+                        "(checkpoint_memory.py's figures)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -321,10 +365,12 @@ def _run(args):
             result = run_child(spec, min(args.timeout, left))
         if spec["what"] == "per_op":
             results["per_op"] = result
+        elif spec["what"] == "checkpoint":
+            results.setdefault("checkpoint", {})[f"{spec['path']}:{spec['checkpointed']}"] = result
         else:
             results["steps"].setdefault(spec["model"], {})[spec["mode"]] = result
         print(f"[gpu.py {time.perf_counter() - start:.0f} s] {spec.get('model', spec['what'])} "
-              f"{spec.get('mode', '')}: {result.get('ms', result.get('error', 'done'))}",
+              f"{spec.get('mode', spec.get('path', ''))}: {result.get('ms', result.get('error', 'done'))}",
               file=sys.stderr, flush=True)
     text = tables(results, args.smoke)
     print(text)

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torchtpu  # noqa: E402
 from amp import amp_training_steps  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
+from checkpoint_memory import checkpoint_memory  # noqa: E402
 from compiled import compiled_steps  # noqa: E402
 from compiled_hf import compiled_hf_step  # noqa: E402
 from distributed import all_reduce_bandwidth, ddp_step  # noqa: E402
@@ -50,7 +51,7 @@ BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps"
               "cache_warm_start": cache_warm_start, "transfers": transfers, "loader": loader,
               "index_check": index_check, "fused_adamw": fused_adamw, "generate": generate,
               "generate_floor": generate_floor, "recompiles": recompiles,
-              "graph_growth": graph_growth,
+              "graph_growth": graph_growth, "checkpoint_memory": checkpoint_memory,
               "all_reduce_bandwidth": all_reduce_bandwidth, "ddp_step": ddp_step, "soak": soak}
 
 

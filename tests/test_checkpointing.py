@@ -122,3 +122,27 @@ def test_no_fence_outside_recomputation(mode):
             torch.testing.assert_close(g.detach().cpu(), want[0])
             torch.testing.assert_close(gg.cpu(), want[1])
     assert torchtpu.get_eager_mode() == mode
+
+
+def test_compiled_programs_give_xla_memory_figures():
+    """torchtpu.memory.compiled_programs() (what benchmarks/checkpoint_memory.py
+    reads) lists the fused graph a step brings, with XLA's figures for it:
+    its arguments are its two input matrices, its output the scalar."""
+    from torchtpu.memory import compiled_programs
+    with torchtpu.eager_mode("fused"):
+        # Sizes no other test uses: the graph is new to this process.
+        a, b = torch.randn(48, 24).to("tpu"), torch.randn(24, 40).to("tpu")
+        torchtpu.sync()
+        before = {p.id for p in compiled_programs()}
+        for _ in range(2):
+            (a @ b).relu().sum().item()
+        torchtpu.wait_for_compiles()
+        (a @ b).relu().sum().item()
+    graphs = [p for p in compiled_programs() if p.id not in before and "fused" in p.name]
+    assert len(graphs) == 1, graphs
+    (graph,) = graphs
+    assert (graph.arguments, graph.outputs, graph.aliased) == ((48 * 24 + 24 * 40) * 4, 4, 0)
+    assert graph.temp >= 0
+    assert graph.footprint == graph.arguments + graph.outputs + graph.temp
+    # Programs stay listed while loaded: a second look finds the same ones.
+    assert graph.id in {p.id for p in compiled_programs()}

@@ -11,6 +11,7 @@ exactly the tensors alive.
 """
 import collections
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -272,3 +273,42 @@ NAMES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_mem
          "reset_accumulated_memory_stats", "memory_stats", "memory_summary", "mem_get_info",
          "empty_cache", "memory_cached", "max_memory_cached", "memory_snapshot",
          "_record_memory_history", "_snapshot", "_dump_snapshot")
+
+
+# ---- XLA's figures for its compiled programs ----------------------------------------
+
+class Program(typing.NamedTuple):
+    """A compiled XLA program loaded on the platform, with the memory XLA's
+    compiler assigned one run of it, in bytes."""
+    name: str
+    temp: int       # its intermediates, in buffers XLA shares between values not live at once
+    arguments: int
+    outputs: int
+    aliased: int    # outputs written into donated arguments' buffers
+    id: int         # the loaded executable's id(): tells programs apart while they live
+
+    @property
+    def footprint(self):
+        """What a run holds at once, at most: its arguments, its outputs not
+        written over them, and its intermediates. A step of several
+        programs peaks at its largest: what one program hands the next
+        (saved activations) is an output of the one, an argument of the
+        other, never one of their intermediates."""
+        return self.arguments + self.outputs - self.aliased + self.temp
+
+
+def compiled_programs():
+    """The XLA programs loaded now (kernels, fused graphs, replayed captures,
+    torch.compile's graphs, each loaded once however often it runs), with
+    their memory: the programs a workload brought are those listed after
+    it and not before (fused graphs stay loaded while the graph cache holds
+    them)."""
+    programs = []
+    for executable in runtime.DEVICES[0].client.live_executables():
+        stats = executable.get_compiled_memory_stats()
+        modules = executable.hlo_modules()
+        programs.append(Program(modules[0].name if modules else "?", stats.temp_size_in_bytes,
+                                stats.argument_size_in_bytes, stats.output_size_in_bytes,
+                                stats.alias_size_in_bytes, id(executable)))
+    return programs
+
