@@ -228,7 +228,8 @@ def test_distribution_samplers_on_the_device(dtype):
     assert n.dtype == dtype and n.cpu().min() >= 0 and n.cpu().max() <= 10
     assert abs(m - 3.0) < 2 * tol and abs(s - 2.1 ** 0.5) < 2 * tol
 
-    c = D.Categorical(logits=torch.zeros(4, 5, device=DEV, dtype=dtype))  # validate_args: _is_all_true
+    # (Argument checks call _is_all_true; torch.compile's first use turns their default off.)
+    c = D.Categorical(logits=torch.zeros(4, 5, device=DEV, dtype=dtype), validate_args=True)
     assert c.sample().shape == (4,)
     torchtpu.sync()
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == before
@@ -259,4 +260,4 @@ def test_gamma_rsample_gradient_matches_cpu():
     x.sum().backward()
     assert_exact(alpha, x.detach().cpu(), a.grad.cpu())
     with pytest.raises(ValueError, match="concentration"):
-        D.Gamma(torch.tensor([-1.0], device=DEV), torch.ones(1, device=DEV))
+        D.Gamma(torch.tensor([-1.0], device=DEV), torch.ones(1, device=DEV), validate_args=True)
