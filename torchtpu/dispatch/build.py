@@ -18,7 +18,7 @@ class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
     __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
-                 "stable_key", "bound", "device", "specs")
+                 "stable_key", "bound", "device", "specs", "nested")
 
     def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None, device=0):
         self.name = name
@@ -38,6 +38,8 @@ class Kernel:
         # (positional, keyword) argument specs and matmul precision: its key
         # (torchtpu.recompiles)
         self.specs = None
+        # jax.jit(fn), called inside a fused graph's trace (modes/graph.py)
+        self.nested = None
         # Loaded from its record or compiled, at its first call.
         self.jitted = cache.jit_kernel(self, fn, _kernel_name(name), device)
 
