@@ -50,7 +50,7 @@ from jax import monitoring
 from . import background, compat, config, metrics, profiling
 from .cache_files import (  # noqa: F401 (the names the cache's users and tests know)
     CHECK_SUFFIX, ENTRY_SUFFIX, KERNEL_PREFIX, LOCK_NAME, LOOKUPS, PROGRAM_PREFIX, STATS,
-    TMP_PREFIX, VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _sha256, _tl, _warned, _warn_once,
+    TMP_PREFIX, VALUE_PREFIX, DiskCache, Untrusted, _jax_cc, _main, _sha256, _tl, _warned, _warn_once,
     cache_dir, clear_disk, disk_info, open_dir, open_disk, readonly, trusted_uids, untrusted_reason)
 
 if sys.argv[:1] == ["-m"]:
@@ -776,54 +776,3 @@ def clear(memory=True, disk=False):
             raise RuntimeError(f"torchtpu: the compilation cache in {DISK_DIR} is read-only "
                                "(TORCHTPU_CACHE_READONLY=1); not clearing it")
         clear_disk(DISK_DIR)
-
-
-# ---- command line ------------------------------------------------------------------
-
-def _human(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def _main(argv=None):
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m torchtpu.cache",
-                                description="Inspect or empty torchtpu's compilation cache.")
-    p.add_argument("command", choices=("info", "clear"))
-    p.add_argument("--dir", help="cache directory (default: TORCHTPU_CACHE_DIR, "
-                                 "else $XDG_CACHE_HOME/torchtpu or ~/.cache/torchtpu)")
-    p.add_argument("--json", action="store_true", help="print info as JSON")
-    args = p.parse_args(argv)
-    path = os.path.abspath(os.path.expanduser(args.dir)) if args.dir else cache_dir()
-    if path is None:
-        print("disk cache is off (TORCHTPU_CACHE_DIR=off)")
-        return 0
-    if args.command == "clear":
-        if not args.dir and readonly():
-            print(f"{path} is read-only (TORCHTPU_CACHE_READONLY=1); not clearing")
-            return 1
-        print(f"removed {clear_disk(path)} files from {path}")
-        return 0
-    info = disk_info(path)
-    if args.json:
-        print(json.dumps(info))
-        return 0
-    print(f"dir                 {path}{'' if info['exists'] else ' (does not exist)'}")
-    print(f"entries             {info['entries']}")
-    print(f"stored programs     {info['programs']}")
-    print(f"kernel records      {info['kernels']}")
-    print(f"stored values       {info['values']}")
-    print(f"bytes               {info['bytes']} ({_human(info['bytes'])})")
-    limit = info["limit"]
-    print("limit               " + (f"{limit} ({_human(limit)}; TORCHTPU_CACHE_MAX_BYTES)" if limit
-                                      else "none (TORCHTPU_CACHE_MAX_BYTES=0)"))
-    rate = info["hit_rate"]
-    print("hit rate            " + ("no lookups recorded" if rate is None else
-                                    f"{100 * rate:.1f}% ({info['hits']} hits, {info['misses']} "
-                                    "misses: executables looked up by the runs that ended "
-                                    "since it was last cleared)"))
-    print(f"unverified entries  {info['unverified_entries']}")
-    print(f"temporary files     {info['temp_files']}")
-    return 0

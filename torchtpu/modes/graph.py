@@ -189,6 +189,13 @@ def call_traced(kernel, args):
     return nested(*args)
 
 
+def call_inlined(kernel, args):
+    """kernel's op traced straight into the graph: how a graph holding a
+    collective (one program over the group's devices) traces its ops, a
+    collective's kernel (distributed/in_graph.py) having no nested jit."""
+    return kernel.fn(*args)
+
+
 def call_jitted(kernel, args):
     return kernel.jitted(*args)
 
@@ -198,9 +205,10 @@ def replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
     values of live_refs. values: where Result -> value is kept.
     until: a background.Job; once it has succeeded, stop and return None.
     Fences are optimization barriers where the nodes are traced into one
-    computation (call is call_traced); op by op, XLA merges nothing."""
+    computation (call is call_traced or call_inlined); op by op, XLA merges
+    nothing."""
     values = {} if values is None else values
-    fence = call is call_traced
+    fence = call is call_traced or call is call_inlined
     for ni, (kernel, refs) in enumerate(nodes):
         if until is not None and until.done and until.error is None:
             return None
@@ -290,17 +298,19 @@ def build(g, live_refs, donate=None, when="first call"):
     given = [i for i, d in enumerate(donate) if d]
     kept = [i for i, d in enumerate(donate) if not d]
 
+    mesh_jit = collective_jit(nodes)
+    call = call_traced if mesh_jit is None else call_inlined
+
     def graph(donated, rest, scalars):
         inputs = [None] * len(donate)
         for i, x in zip(given, donated):
             inputs[i] = x
         for i, x in zip(kept, rest):
             inputs[i] = x
-        return replay(nodes, live_refs, inputs, scalars, call_traced)
+        return replay(nodes, live_refs, inputs, scalars, call)
 
     graph.__name__ = graph.__qualname__ = f"tpu_fused_{len(nodes)}ops"
     args = ([g.inputs[i] for i in given], [g.inputs[i] for i in kept], g.scalars)
-    mesh_jit = collective_jit(nodes)
     if mesh_jit is not None:
         # It holds a collective: one program over the group's devices.
         jitted = mesh_jit(graph, args, (0,) if given else (), nodes, live_refs)
