@@ -56,7 +56,8 @@ COLUMNS = [("strict", "strict"), ("fused", "fused"), ("replayed", "replayed"),
            ("cuda_eager", "PyTorch CUDA eager"), ("inductor", "PyTorch Inductor"),
            ("fused" + HIGH, "fused, matmul \"high\""),
            ("cuda_eager" + HIGH, "CUDA eager, matmul \"high\"")]
-CHECKPOINT_PATHS = ("fused", "replayed", "compiled", "jax")
+# (A smoke run measures one path: each is two processes of its own.)
+CHECKPOINT_PATHS = {False: ("fused", "replayed", "compiled", "jax"), True: ("fused",)}
 RATIOS = [("fused", "cuda_eager"), ("replayed", "cuda_eager"), ("compiled", "cuda_eager"),
           ("replayed", "inductor"), ("compiled", "inductor"),
           ("fused" + HIGH, "cuda_eager" + HIGH)]
@@ -238,7 +239,7 @@ def plan(smoke, cuda):
         modes = TPU_MODES + (("jax_jit",) if model == "mlp" else ()) + (CUDA_MODES if cuda else ())
         specs += [{"what": "step", "model": model, "mode": m} for m in modes]
     specs += [{"what": "checkpoint", "path": p, "checkpointed": c}
-              for p in CHECKPOINT_PATHS for c in (False, True)]
+              for p in CHECKPOINT_PATHS[smoke] for c in (False, True)]
     for s in specs:
         s["smoke"] = smoke
     return specs
@@ -312,7 +313,7 @@ def _checkpoint_table(measures, smoke, errors):
     model = (checkpoint_memory.MODEL if not smoke
              else "GPT {layers} layers d{d} h{heads}, seq {seq} (smoke)".format(**size))
     rows = []
-    for path in CHECKPOINT_PATHS:
+    for path in CHECKPOINT_PATHS[smoke]:
         two = [measures.get(f"{path}:{c}", {"error": "not run"}) for c in (False, True)]
         failed = [f"- checkpoint_memory {path} {way}: {m['error']}"
                   for way, m in zip(("not", "checkpointed"), two) if "error" in m]

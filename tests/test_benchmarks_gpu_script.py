@@ -50,6 +50,10 @@ def test_gpu_script_smoke_run_fills_its_tables(tmp_path):
         kept, total = steps["replayed"]["in_place"].split(" of ")
         assert kept == total and int(total) > 0
         assert cells[-1] == steps["replayed"]["in_place"]
+    # checkpoint_memory's rows for fused mode, both ways, with equal losses.
+    fused = [line for line in text.splitlines() if line.startswith("| fused | GPT")]
+    assert len(fused) == 2 and all(int(r.split("|")[4]) > 0 for r in fused), text
+    assert fused[0].split("|")[10] == fused[1].split("|")[10], fused
 
 
 def test_pytorch_rows_run_without_torchtpu():

@@ -512,18 +512,18 @@ def test_memory_tier_keeps_the_process_under_its_mapping_limit(monkeypatch):
     cache.clear(memory=True)
     gc.collect()
     start = cache._mappings()
-    monkeypatch.setattr(cache, "MAPPINGS_KEPT", start + 400)
-    monkeypatch.setattr(cache, "_MAPPINGS_EVERY", 8)
+    monkeypatch.setattr(cache, "MAPPINGS_KEPT", start + 150)
+    monkeypatch.setattr(cache, "_MAPPINGS_EVERY", 4)
     sheds = cache.STATS.memory_sheds
     peak = 0
-    for n in range(1, 301):  # 300 shapes: 600 distinct kernels, over 1,800 mappings kept unbounded
+    for n in range(1, 81):  # 80 shapes: 160 distinct kernels, over 480 mappings kept unbounded
         x = torch.arange(float(n), device="tpu")
         got = (x * 2 + 1).cpu()
         assert torch.equal(got, torch.arange(float(n)) * 2 + 1)
         peak = max(peak, cache._mappings())
     assert cache.STATS.memory_sheds > sheds
-    # at most one check's worth of kernels (8 stores, 10 mappings each at most) over
-    assert peak < start + 400 + 8 * 10
+    # at most one check's worth of kernels (4 stores, 10 mappings each at most) over
+    assert peak < start + 150 + 4 * 10
     cache.clear(memory=True)
 
 
