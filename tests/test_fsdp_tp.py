@@ -253,6 +253,35 @@ WORKER = COMMON + textwrap.dedent("""\
         failures.append(f"losses read on rank 0 {read} != {want_losses}")
     torchtpu.set_eager_mode("strict")
 
+    failures = section("fsdp_fused_compile_fails")
+    # Every graph holding collectives fails as XLA's compile would (its
+    # trace raises, on every rank): each falls back to its ops one by one,
+    # collectives included, and training goes on as on CPU.
+    import torchtpu.modes.graph as graph_module
+    inlined = graph_module.call_inlined
+
+    def fails(kernel, args):
+        raise RuntimeError("a compile failure")
+
+    graph_module.call_inlined = fails
+    torchtpu.set_eager_mode("fused")
+    try:
+        model = make().to("tpu")
+        fully_shard(model, mesh=mesh)
+        torchtpu.sync()
+        before = torchtpu.metrics.snapshot()["fused_fallbacks"]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = train(model, X[half], Y[half])
+            torchtpu.sync()
+        result["compile_fails"] = {
+            "fallbacks": torchtpu.metrics.snapshot()["fused_fallbacks"] - before,
+            "warned": sum("a compile failure" in str(w.message) for w in caught)}
+        compare(failures, got, reference(), 1e-6)
+    finally:
+        graph_module.call_inlined = inlined
+        torchtpu.set_eager_mode("strict")
+
     failures = section("fsdp_mixed")
     model = make().to("tpu")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -391,6 +420,14 @@ def test_fsdp2_fused_mode_with_explicit_prefetching(results):
         for step in steps:
             assert step["flushes"] == {"optimizer_step": 1}, steps
         assert steps[2]["fused_fallbacks"] == 0, steps
+
+
+def test_fsdp2_fused_graphs_that_fail_to_compile_run_op_by_op_on_every_rank(results):
+    _section(results, "fsdp_fused_compile_fails")
+    for r in results:
+        # Each of the 3 steps' graphs failed, warned and ran its ops.
+        assert r["compile_fails"]["fallbacks"] >= 3, r["compile_fails"]
+        assert r["compile_fails"]["warned"] == r["compile_fails"]["fallbacks"], r["compile_fails"]
 
 
 def test_tensor_parallel_trains_as_one_process_on_the_whole_batch(results):
