@@ -6,6 +6,9 @@ import torch
 
 # Tests never write the user's persistent cache unless asked to.
 os.environ.setdefault("TORCHTPU_CACHE_DIR", "off")
+# A child process that aborts or crashes prints every thread's Python stack
+# (in the log a failing test shows), not only the C++ runtime's last line.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # Two devices, as a TPU host has several chips (on CPU, XLA's host devices):
 # tests that name no device run on tpu:0; tests/test_devices.py uses tpu:1.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
