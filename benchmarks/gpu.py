@@ -11,7 +11,7 @@ with and without activation checkpointing, fused, replayed and compiled, and
 its jax.checkpoint control. Each figure
 comes from its own subprocess with a timeout (a failure or a timeout is a
 row saying so, the rest still run), the median of several steps after
-warm-up. It prints markdown tables and, if $OUT is set, writes them and the
+warm-up; a smoke run's figures all come from one. It prints markdown tables and, if $OUT is set, writes them and the
 raw figures to $OUT/gpu.json (and gpu.md).
 
     python benchmarks/gpu.py            # on the GPU machine
@@ -56,7 +56,7 @@ COLUMNS = [("strict", "strict"), ("fused", "fused"), ("replayed", "replayed"),
            ("cuda_eager", "PyTorch CUDA eager"), ("inductor", "PyTorch Inductor"),
            ("fused" + HIGH, "fused, matmul \"high\""),
            ("cuda_eager" + HIGH, "CUDA eager, matmul \"high\"")]
-# (A smoke run measures one path: each is two processes of its own.)
+# (A smoke run measures the fused path alone.)
 CHECKPOINT_PATHS = {False: ("fused", "replayed", "compiled", "jax"), True: ("fused",)}
 RATIOS = [("fused", "cuda_eager"), ("replayed", "cuda_eager"), ("compiled", "cuda_eager"),
           ("replayed", "inductor"), ("compiled", "inductor"),
@@ -191,6 +191,8 @@ def _measure_checkpoint(path, checkpointed, smoke):
 
 def child(spec):
     sys.path[:0] = [ROOT, HERE]
+    if isinstance(spec, list):
+        return _children_in_one(spec)
     if spec["what"] == "env":
         return _environment()
     if spec["what"] == "checkpoint":
@@ -198,6 +200,21 @@ def child(spec):
     if spec["what"] == "per_op":
         return _measure_per_op(spec["smoke"])
     return _measure_step(spec["model"], spec["mode"], spec["smoke"])
+
+
+def _children_in_one(specs):
+    """A smoke run's figures, measured one after another in this process
+    (a process each costs a minute of start-ups; its figures are not kept)."""
+    import torch
+    results = []
+    for spec in specs:
+        try:
+            results.append(child(spec))
+        except Exception as e:
+            results.append({"error": f"{type(e).__name__}: {e}"[:400]})
+        finally:
+            torch.set_float32_matmul_precision("highest")  # (a "_high" mode's setting)
+    return results
 
 
 # ---- the parent: one subprocess per figure ----------------------------------------
@@ -214,18 +231,20 @@ def _child_env(spec):
 
 
 def run_child(spec, timeout):
-    """The child's result dict, or {"error": why}."""
+    """The child's result dict, or {"error": why}; spec a list (a smoke
+    run's): the list of their results, or that error."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=_child_env(spec), cwd=ROOT)
+                              env=_child_env(spec if isinstance(spec, dict) else spec[0]), cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - start
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
-            return dict(json.loads(line[len("RESULT "):]), wall_s=wall)
+            result = json.loads(line[len("RESULT "):])
+            return result if isinstance(result, list) else dict(result, wall_s=wall)
     lines = (proc.stderr or proc.stdout).strip().splitlines()
     # The exception's line (JAX adds lines of its own after it).
     raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", line)]
@@ -358,9 +377,16 @@ def _run(args):
     specs = plan(args.smoke, bool(env.get("cuda")) and not args.smoke)[1:]
     if args.rows:
         specs = _chosen(specs, args.rows.split(","))
-    for spec in specs:
+    together = None
+    if args.smoke:
+        together = run_child(specs, min(args.budget, args.timeout * len(specs)))
+        if not isinstance(together, list):
+            together = [together] * len(specs)
+    for i, spec in enumerate(specs):
         left = args.budget - (time.perf_counter() - start)
-        if left < 20:
+        if together is not None:
+            result = together[i]
+        elif left < 20:
             result = {"error": "not run: the time budget was spent"}
         else:
             result = run_child(spec, min(args.timeout, left))
