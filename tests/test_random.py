@@ -56,6 +56,19 @@ def test_manual_seed_reproducible_and_stream_advances():
     torch.testing.assert_close(torch.rand(4, device=DEV).cpu(), c, rtol=0, atol=0)
 
 
+def test_a_draw_fills_its_elements_in_order_whatever_its_shape():
+    """As on CPU, a draw of shape (2, 3, 4) under a seed holds the elements
+    a draw of 24 holds under that seed, in row-major order."""
+    for draw in (torch.randn, torch.rand, lambda *s, device: torch.randint(0, 1000, s, device=device)):
+        torch.manual_seed(7)
+        flat = draw(24, device=DEV).cpu()
+        torch.manual_seed(7)
+        shaped = draw(2, 3, 4, device=DEV).cpu()
+        assert shaped.shape == (2, 3, 4)
+        torch.testing.assert_close(shaped.reshape(-1), flat, rtol=0, atol=0)
+        assert shaped.dtype == draw(2, 3, 4, device="cpu").dtype
+
+
 def test_rng_state_round_trip():
     torch.manual_seed(7)
     torch.randn(3, device=DEV)
