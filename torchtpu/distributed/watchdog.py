@@ -21,6 +21,7 @@ nothing of who is missing. With TORCHTPU_WATCHDOG seconds (600 by default;
 Collectives of the whole group are counted; send/recv wait for one peer,
 which is the one named.
 """
+import atexit
 import datetime
 import faulthandler
 import json
@@ -164,11 +165,23 @@ def watch(gloo, store, rank, size):
         _thread = threading.Thread(target=_look_for_requests, daemon=True,
                                    name="torchtpu-watchdog")
         _thread.start()
+        atexit.register(_stop_looking)
+
+
+_stop = threading.Event()
+
+
+def _stop_looking():
+    """At exit, before the interpreter and then the C++ runtime are torn
+    down: a daemon thread left inside a store call as they are (it polls
+    every second) can end the process in std::terminate."""
+    _stop.set()
+    if _thread is not None:
+        _thread.join(timeout=10)
 
 
 def _look_for_requests():
-    while True:
-        time.sleep(_POLL_SECONDS)
+    while not _stop.wait(_POLL_SECONDS):
         for w in list(_by_gloo.values()):
             message = w.stalled()
             if message is not None:
