@@ -11,8 +11,9 @@ with and without activation checkpointing, fused, replayed and compiled, and
 its jax.checkpoint control. Each figure
 comes from its own subprocess with a timeout (a failure or a timeout is a
 row saying so, the rest still run), the median of several steps after
-warm-up; a smoke run's figures all come from one. It prints markdown tables and, if $OUT is set, writes them and the
-raw figures to $OUT/gpu.json (and gpu.md).
+warm-up; a smoke run's figures all come from one. It prints markdown
+tables and, if $OUT is set, writes them and the raw figures to
+$OUT/gpu.json (and gpu.md).
 
     python benchmarks/gpu.py            # on the GPU machine
     python benchmarks/gpu.py --smoke    # tiny sizes, JAX on CPU, no CUDA rows
@@ -219,12 +220,12 @@ def _children_in_one(specs):
 
 # ---- the parent: one subprocess per figure ----------------------------------------
 
-def _child_env(spec):
+def _child_env(smoke):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     # Several processes take turns on one GPU: none keeps 75% of it.
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if spec["smoke"]:
+    if smoke:
         env["TORCHTPU_PLATFORM"] = "cpu"
         env["JAX_PLATFORMS"] = "cpu"
     return env
@@ -234,10 +235,11 @@ def run_child(spec, timeout):
     """The child's result dict, or {"error": why}; spec a list (a smoke
     run's): the list of their results, or that error."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    smoke = (spec[0] if isinstance(spec, list) else spec)["smoke"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=_child_env(spec if isinstance(spec, dict) else spec[0]), cwd=ROOT)
+                              env=_child_env(smoke), cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - start
@@ -380,7 +382,7 @@ def _run(args):
     together = None
     if args.smoke:
         together = run_child(specs, min(args.budget, args.timeout * len(specs)))
-        if not isinstance(together, list):
+        if not isinstance(together, list):  # (its error, for every figure)
             together = [together] * len(specs)
     for i, spec in enumerate(specs):
         left = args.budget - (time.perf_counter() - start)

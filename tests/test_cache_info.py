@@ -41,7 +41,8 @@ def test_info_gives_the_hit_rate_of_the_runs_that_used_the_directory(tmp_path, c
     assert info(str(tmp_path))["hit_rate"] is None  # nothing recorded yet
     cold_values, cold_hits, cold_misses = _run(d)
     assert cold_misses > 0
-    assert (info(str(d))["hits"], info(str(d))["misses"]) == (cold_hits, cold_misses)
+    read = info(str(d))
+    assert (read["hits"], read["misses"]) == (cold_hits, cold_misses)
     warm_values, warm_hits, warm_misses = _run(d)
     assert warm_values == cold_values
     assert warm_hits > 0 and warm_misses == 0  # everything loaded, nothing compiled
@@ -52,7 +53,8 @@ def test_info_gives_the_hit_rate_of_the_runs_that_used_the_directory(tmp_path, c
     assert f"{100 * hits / (hits + misses):.1f}% ({hits} hits, {misses} misses" in _info(d, False)
     # A read-only run writes nothing, its counts neither.
     _run(d, TORCHTPU_CACHE_READONLY="1")
-    assert (info(str(d))["hits"], info(str(d))["misses"]) == (hits, misses)
+    read = info(str(d))
+    assert (read["hits"], read["misses"]) == (hits, misses)
     assert cache._main(["clear", "--dir", str(d)]) == 0
     assert info(str(d))["hit_rate"] is None
     capsys.readouterr()
