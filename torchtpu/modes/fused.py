@@ -260,7 +260,7 @@ class FusedExecutor(StrictExecutor):
             return None  # it needs a collective: every rank must run the graph
         sub, renamed = graph.subgraph(g, needed)
         live_refs = tuple(renamed[r] for r in wanted)
-        key = graph.GraphKey(("side", tuple([(id(k), refs) for k, refs in sub.nodes]), live_refs))
+        key = graph.GraphKey(("side", tuple(sub.nodes), live_refs))
         entry = cache.lookup(key)
         try:
             if entry is None:
@@ -315,8 +315,9 @@ class FusedExecutor(StrictExecutor):
         if donate is not None:
             live = graph.donation_order(g, live, donate)
         live_refs = tuple(p.ref if renamed is None else renamed[p.ref] for p, _ in live)
-        # Kernels stand for their ops (the entry holds them, so ids stay theirs).
-        key = graph.GraphKey((tuple([(id(k), refs) for k, refs in g.nodes]), live_refs, donate))
+        # Kernels stand for their ops: they compare and hash by identity, so
+        # the nodes themselves are the key (the entry holds them).
+        key = graph.GraphKey((tuple(g.nodes), live_refs, donate))
         entry = cache.lookup(key)
         site = errors.user_line()
         refused = None
