@@ -186,11 +186,14 @@ def recompiles(workloads=WORKLOADS, modes=MODES, timeout=1800):
     return rows
 
 
-def _growth_worker(bptt):
+def _growth_worker(bptt, how):
     """One step of the LSTM model unrolled over bptt steps, every fused graph
     compiled when met (TORCHTPU_FUSED_COMPILE=sync), so that its compile
-    time is what the step waits for."""
+    time is what the step waits for; how: "whole" compiles each graph as
+    one program, "split" as pieces where its op stream repeats."""
     os.environ["TORCHTPU_FUSED_COMPILE"] = "sync"
+    if how == "whole":
+        os.environ["TORCHTPU_FUSED_SPLIT_OPS"] = "0"
     import torch
 
     import torchtpu
@@ -200,21 +203,26 @@ def _growth_worker(bptt):
     s = torchtpu.metrics.snapshot()
     sizes = s["fused_ops"]  # ops in a graph -> graphs of that size run
     ops = sum(n * count for n, count in sizes.items())
-    return [{"bptt": bptt, "graphs": s["graphs_compiled"], "largest": max(sizes, key=int),
-             "compile_s": s["compile_seconds"], "ms_per_op": s["compile_seconds"] / ops * 1e3}]
+    programs = s["graphs_compiled"] - s["graphs_split"] + s["piece_programs"]
+    return [{"bptt": bptt, "how": how, "graphs": s["graphs_compiled"], "largest": max(sizes, key=int),
+             "programs": programs, "compile_s": s["compile_seconds"],
+             "ms_per_op": s["compile_seconds"] / ops * 1e3}]
 
 
 def graph_growth(lengths=(5, 10, 20, 35), timeout=900):
-    """Compile seconds of the LSTM step's fused graphs against their length."""
+    """Compile seconds of the LSTM step's fused graphs against their length,
+    compiled whole and split where they repeat."""
     rows = []
     for bptt in lengths:
-        rows += worker_rows(__file__, ["growth", str(bptt)], timeout)
+        for how in ("whole", "split"):
+            rows += worker_rows(__file__, ["growth", f"{bptt}:{how}"], timeout)
     return rows
 
 
 graph_growth.title = "Fused graph compile time against graph length (LSTM step, fresh process)"
-graph_growth.columns = [("bptt", "time steps unrolled", "{}"), ("graphs", "graphs", "{}"),
-                        ("largest", "ops in the largest", "{}"),
+graph_growth.columns = [("bptt", "time steps unrolled", "{}"), ("how", "compiled", "{}"),
+                        ("graphs", "graphs", "{}"), ("largest", "ops in the largest", "{}"),
+                        ("programs", "programs compiled", "{}"),
                         ("compile_s", "compile seconds", "{:.1f}"),
                         ("ms_per_op", "ms per op", "{:.1f}")]
 
@@ -238,7 +246,8 @@ if __name__ == "__main__":
     if args.worker:
         sys.path.insert(0, os.path.join(HERE, ".."))
         if args.worker[0] == "growth":
-            print_rows(_growth_worker(int(args.worker[1])))
+            bptt, how = args.worker[1].split(":")
+            print_rows(_growth_worker(int(bptt), how))
         else:
             print_rows(_worker(*args.worker))
     else:

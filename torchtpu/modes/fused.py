@@ -44,7 +44,7 @@ import jax
 import torch
 
 from .. import bounds, cache, config, errors, metrics, profiling, recompiles
-from . import checks, graph
+from . import checks, graph, segments
 from ..tensor import Lost, Pending
 from .refs import FIRST_RESULTS, INPUTS, SCALARS, Input, Scalar, first_result, numbered, results
 from .strict import StrictExecutor
@@ -434,19 +434,19 @@ class FusedExecutor(StrictExecutor):
             # for an op-by-op run; a graph holding a collective is compiled
             # and run by every rank.
             STATS.graphs_compiled += 1
-            return cache.store(key, graph.GraphEntry(graph.build(g, live_refs, donate), kernels)).run, "miss"
+            return cache.store(key, graph.GraphEntry(segments.build(g, live_refs, donate), kernels)).run, "miss"
         if not met:
             # Met for the first time: op by op, unless an earlier process
             # stored its executable. Only a graph that recurs is worth
             # compiling: a first step's often does not, and compiling it
             # would slow the steps after it.
-            run = graph.build(g, live_refs, donate, "stored")
+            run = segments.build(g, live_refs, donate, "stored")
             if run is not None:
                 return cache.store(key, graph.GraphEntry(run, kernels)).run, "hit"
             STATS.run_first_met += 1
             return graph.op_by_op_run(g.nodes, live_refs), "first met"
         STATS.graphs_compiled += 1
-        return cache.store(key, graph.GraphEntry(graph.build(g, live_refs, donate, "background"),
+        return cache.store(key, graph.GraphEntry(segments.build(g, live_refs, donate, "background"),
                                            kernels)).run, "compiling"
 
     def forget_sites(self):
