@@ -87,7 +87,16 @@ def cuts(n, regions):
         at = start + period * count
     if at < n:
         pieces.append((at, n))
-    return pieces
+    # A short piece (a repeat's remainder, a few ops between repeats) joins
+    # the one before it: a program and a launch fewer, and no more programs
+    # (the piece it joins is its own program from then on).
+    joined = []
+    for lo, hi in pieces:
+        if joined and (hi - lo < PIECE_OPS // 2 or joined[-1][1] - joined[-1][0] < PIECE_OPS // 2):
+            joined[-1] = (joined[-1][0], hi)
+        else:
+            joined.append((lo, hi))
+    return joined
 
 
 class _Piece:
@@ -185,15 +194,20 @@ def _results(g, lo, hi):
 
 
 class _AllJobs:
-    """The background compiles of a split graph's pieces, as one job."""
-    __slots__ = ("jobs",)
+    """The background compiles of a split graph's pieces, as one job (asked
+    whether it is done before each op of a flush run op by op meanwhile)."""
+    __slots__ = ("jobs", "finished")
 
     def __init__(self, jobs):
         self.jobs = jobs
+        self.finished = 0  # jobs[:finished] are done
 
     @property
     def done(self):
-        return all(job.done for job in self.jobs)
+        jobs = self.jobs
+        while self.finished < len(jobs) and jobs[self.finished].done:
+            self.finished += 1
+        return self.finished == len(jobs)
 
     @property
     def error(self):
