@@ -27,8 +27,10 @@ def test_repeats_are_found_at_whole_periods_and_cut_into_pieces():
     regions = segments.repeats(kernels)
     assert regions == [(2, 3, 40)]
     pieces = segments.cuts(len(kernels), regions)
-    # 16 periods (48 ops) a piece, then the 8 periods left, then the epilogue.
-    assert pieces == [(0, 2), (2, 50), (50, 98), (98, 122), (122, 124)]
+    # 16 periods (48 ops) a piece, then the 8 periods left; the prologue and
+    # the epilogue, shorter than half a piece, join the piece before them
+    # (the prologue, the first).
+    assert pieces == [(0, 50), (50, 98), (98, 124)]
     # Too short a repeat (fewer than 2 pieces' worth of ops) is not one.
     assert segments.repeats([a, b] + [c, d] * 10 + [e]) == []
 
