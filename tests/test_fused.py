@@ -208,7 +208,7 @@ def test_failed_graph_runs_op_by_op(fused, monkeypatch):
     # its ops' own kernels: every tensor gets its value, nothing is lost.
     from torchtpu.modes import graph
 
-    def broken(nodes, live_refs, donate=None):
+    def broken(nodes, live_refs, donate=None, when="first call"):
         def run(inputs, scalars):
             raise RuntimeError("graph too large")
         return run
@@ -225,7 +225,7 @@ def test_failed_graph_runs_op_by_op(fused, monkeypatch):
 def test_failed_op_in_graph_marks_only_its_results_lost(fused, monkeypatch):
     from torchtpu.modes import graph
 
-    def broken(nodes, live_refs, donate=None):
+    def broken(nodes, live_refs, donate=None, when="first call"):
         def run(inputs, scalars):
             raise RuntimeError("graph failed")
         return run

@@ -182,3 +182,29 @@ def test_new_graphs_sharing_pieces_still_compiling_train_as_cpu(monkeypatch):
     torch.testing.assert_close(later, cpu_losses)
     for got, want in zip(params, cpu_params):
         torch.testing.assert_close(got, want)
+
+
+def test_a_piece_that_fails_to_compile_runs_its_graph_op_by_op(monkeypatch):
+    """A piece's compile that fails (as an XLA limit would) fails its graph's:
+    one warning, and the graph's ops run one by one, with CPU's results."""
+    from torchtpu.modes import graph
+    monkeypatch.setenv("TORCHTPU_FUSED_COMPILE", "background")
+    traced = graph.call_traced
+
+    def failing(kernel, args):
+        if "lstm_cell_backward" in str(kernel.name):
+            raise RuntimeError("piece too large")
+        return traced(kernel, args)
+    monkeypatch.setattr(graph, "call_traced", failing)
+    with torchtpu.eager_mode("fused"):
+        torchtpu.metrics.reset()
+        with pytest.warns(UserWarning, match="failed to compile .*piece too large.*one by one"):
+            _train_lm("tpu", steps=3, batch=6)  # (a batch no other test uses)
+            torchtpu.wait_for_compiles()
+            losses, params = _train_lm("tpu", steps=3, batch=6)
+        s = torchtpu.metrics.snapshot()
+        assert s["graphs_split"] >= 1 and s["fused_fallbacks"] >= 1, s
+    cpu_losses, cpu_params = _train_lm("cpu", steps=3, batch=6)
+    torch.testing.assert_close(losses, cpu_losses)
+    for got, want in zip(params, cpu_params):
+        torch.testing.assert_close(got, want)
