@@ -89,6 +89,21 @@ def measure(path, checkpointed, size=SIZE, batch=BATCH, warmup=WARMUP, repeats=R
     the ones loaded after the start). path "jax": the jax.jit control."""
     if path == "jax":
         return _jax_control(checkpointed, repeats=repeats)
+    # The step's graphs compiled whole: a graph split into pieces (where its
+    # op stream repeats, as a GPT's layers do) holds what one piece hands
+    # the next outside any program, where no program's figures see it.
+    previous = os.environ.get("TORCHTPU_FUSED_SPLIT_OPS")
+    os.environ["TORCHTPU_FUSED_SPLIT_OPS"] = "0"
+    try:
+        return _measure(path, checkpointed, size, batch, warmup, repeats)
+    finally:
+        if previous is None:
+            del os.environ["TORCHTPU_FUSED_SPLIT_OPS"]
+        else:
+            os.environ["TORCHTPU_FUSED_SPLIT_OPS"] = previous
+
+
+def _measure(path, checkpointed, size, batch, warmup, repeats):
     import torchtpu
     from torchtpu.memory import compiled_programs
     from workloads import gpt_batch
