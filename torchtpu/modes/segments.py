@@ -122,9 +122,8 @@ def _spec(g, r):
                                 weak_type=aval.weak_type)
 
 
-def _kind(g, r):
-    """(shape, dtype) of the graph's ref r (an Input or a Result)."""
-    spec = _spec(g, r)
+def _kind(spec):
+    """(shape, dtype) of an array or its _spec."""
     return tuple(spec.shape), spec.dtype
 
 
@@ -161,11 +160,11 @@ def _piece(g, lo, hi, last_read, live, donate, when):
     last_here = [last_read[r] < hi and r not in live for r in sources]
     # As many of each shape and dtype as its results of that shape and dtype
     # (XLA writes a result over a donated input; one it cannot use, it warns of).
-    wanted = collections.Counter(_kind(g, r) for r in outputs)
+    wanted = collections.Counter(_kind(_spec(g, r)) for r in outputs)
     given = []
-    for r, last in zip(sources, last_here):
+    for r, last, spec in zip(sources, last_here, sub.inputs):
         free = last and (type(r) is Result or (donate is not None and donate[r.index]))
-        kind = _kind(g, r) if free else None
+        kind = _kind(spec) if free else None
         given.append(free and wanted[kind] > 0)
         if given[-1]:
             wanted[kind] -= 1
@@ -195,22 +194,30 @@ def _results(g, lo, hi):
 
 class _AllJobs:
     """The background compiles of a split graph's pieces, as one job (asked
-    whether it is done before each op of a flush run op by op meanwhile)."""
-    __slots__ = ("jobs", "finished")
+    whether it is done before each op of a flush run op by op meanwhile,
+    and at each flush)."""
+    __slots__ = ("jobs", "finished", "_error")
 
     def __init__(self, jobs):
         self.jobs = jobs
         self.finished = 0  # jobs[:finished] are done
+        self._error = None
 
     @property
     def done(self):
         jobs = self.jobs
         while self.finished < len(jobs) and jobs[self.finished].done:
+            if jobs[self.finished].error is not None and self._error is None:
+                self._error = jobs[self.finished].error
             self.finished += 1
         return self.finished == len(jobs)
 
     @property
     def error(self):
+        """The first failed piece's error, among those done (once all are,
+        kept)."""
+        if self.done:
+            return self._error
         return next((job.error for job in self.jobs if job.done and job.error is not None), None)
 
 
@@ -238,16 +245,18 @@ def build(g, live_refs, donate=None, when="first call"):
             return None
         built.append(piece)
 
+    jobs = [piece.run.job for piece in built if getattr(piece.run, "job", None) is not None]
+    all_jobs = _AllJobs(jobs) if jobs else None
+
     def run(inputs, scalars):
+        if all_jobs is not None and not all_jobs.done:
+            # Pieces another graph compiles in the background, run by a
+            # graph compiled at once: their compiles are waited for.
+            background.wait()
+        if all_jobs is not None and all_jobs.error is not None:
+            raise all_jobs.error
         values = {}
         for piece in built:
-            job = getattr(piece.run, "job", None)
-            if job is not None and not (job.done and job.error is None):
-                # A piece another graph compiles in the background, run by a
-                # graph compiled at once: its compile is waited for.
-                background.wait()
-                if job.error is not None:
-                    raise job.error
             args = [values[r] if type(r) is Result else inputs[r.index] for r in piece.sources]
             outs = piece.run(args, [scalars[s.index] for s in piece.scalar_sources])
             for r in piece.dropped:
@@ -255,9 +264,8 @@ def build(g, live_refs, donate=None, when="first call"):
             for r, v in zip(piece.outputs, outs):
                 values[r] = v
         return [values[r] for r in live_refs]
-    jobs = [piece.run.job for piece in built if getattr(piece.run, "job", None) is not None]
-    if jobs:
-        run.job = _AllJobs(jobs)
+    if all_jobs is not None:
+        run.job = all_jobs
     STATS["graphs_split"] += 1
     STATS["graph_pieces"] += len(built)
     return run
