@@ -10,10 +10,11 @@
 - handler modules, which fill SPECIAL when imported: `transfers` (copies,
   .to(), .item(), resize_), `dynamic_shapes` (nonzero, mask indexing,
   unique, bincount), `rewrites` (ops rewritten into others), `growth`
-  (tensors grown step by step by torch.cat: padded to buckets).
+  (tensors grown step by step by torch.cat: padded to buckets), `lengths`
+  (ops on slices of rows whose count varies: computed padded to buckets).
 """
 from .. import tensor
-from . import dynamic_shapes, growth, rewrites, transfers
+from . import dynamic_shapes, growth, lengths, rewrites, transfers
 from .core import copy_into, cpu_fallback, dispatch, plan_of, resize
 from .host import device_array, download, to_tpu, user_download
 from .plans import SPECIAL
@@ -25,5 +26,5 @@ from .transfers import _copy_
 tensor.set_dispatcher(dispatch, user_download)
 
 __all__ = ["dispatch", "plan_of", "resize", "copy_into", "cpu_fallback", "device_array", "download",
-           "to_tpu", "SPECIAL", "OUT_VIA_FUNCTIONAL", "dynamic_shapes", "growth", "rewrites", "transfers",
+           "to_tpu", "SPECIAL", "OUT_VIA_FUNCTIONAL", "dynamic_shapes", "growth", "lengths", "rewrites", "transfers",
            "_copy_"]

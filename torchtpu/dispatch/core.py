@@ -30,7 +30,7 @@ from .build import KernelEntry, build_kernel, drop_out_args, physical_order
 from .keys import (Call, arg_spec, device_mismatch, first_device, grown_readable, kernel_device,
                    named, offsets_fed, whole_shape)
 from .meta import flatten, meta_like, meta_outcome, run_meta, unflatten, written_checked
-from .plans import _INDICES, SPECIAL, Plan
+from .plans import _INDICES, PADDED, SPECIAL, Plan
 
 from ..compat import aten
 
@@ -48,6 +48,7 @@ def plan_of(func):
     if p is None:
         p = _plans[func] = Plan(func)
         p.special = SPECIAL.get(func)
+        p.padded = PADDED.get(func) if p.kind == "lower" else None
         p.handler = _handler(p)
         _plans_by_id[id(func)] = p
     return p
@@ -171,6 +172,12 @@ def _run_lowered(plan, args, kwargs):
     for a, f in zip(args, plan.pos_flags):
         if type(a) is TpuTensor:
             storage = a._storage
+            if type(storage) is GrownStorage and plan.padded is not None and storage.grown is not None:
+                # An op with a rule for padded tensors: computed on the padded
+                # arrays (torchtpu.dispatch.lengths), unless the rule declines.
+                out = plan.padded(plan.func, args, kwargs)
+                if out is not NotImplemented:
+                    return out
             if type(storage) is GrownStorage and a._view is not None:
                 if (plan.func is not _READ and plan.kind != "mutate"
                         and not modes.current().fuses and grown_readable(a)):
@@ -227,6 +234,12 @@ def _run_lowered(plan, args, kwargs):
             if cache.served_generally(general, key):
                 pos_specs, kw_specs, dynamic, key = fed[0], fed[1], fed[2], general
                 entry = cache.lookup(key)
+    if entry is None and plan.padded is not None:
+        # A new kernel: if it is for a slice of a new length of rows that
+        # varies, the op runs on rows padded to a bucket (dispatch.lengths).
+        out = plan.padded(plan.func, args, kwargs)
+        if out is not NotImplemented:
+            return out
     if entry is None:
         device = kernel_device(pos_specs, kw_specs)  # (raises CUDA's error for two devices)
         if not modes.current().records:

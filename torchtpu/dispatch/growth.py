@@ -61,7 +61,7 @@ def _pad(t, axis, length):
     return dispatch(aten.constant_pad_nd.default, (t, pad, 0), {})
 
 
-def _grown_tensor(grown, axis, extent, dtype, exact=None):
+def grown_tensor(grown, axis, extent, dtype, exact=None):
     shape = list(grown.shape)
     shape[axis] = extent
     return whole_tensor(GrownStorage(grown, axis, extent, _cut, exact), tuple(shape), dtype)
@@ -97,7 +97,7 @@ def _cat(tensors, dim=0):
         # The second cat of a chain along this axis: it grows.
         n = out.shape[axis]
         grown = _pad(out, axis, bucket(n))
-        out = _grown_tensor(grown, axis, n, out.dtype, out._storage.array)
+        out = grown_tensor(grown, axis, n, out.dtype, out._storage.array)
     else:
         _cat_results[out._storage] = axis
     return out
@@ -115,7 +115,7 @@ def _extend(first, others, axis):
     if extent > grown.shape[axis]:
         grown = _pad(grown, axis, bucket(extent))
     grown = dispatch(torch.ops.torchtpu.write_at.default, (grown, new, axis, storage.extent), {})
-    return _grown_tensor(grown, axis, extent, first.dtype)
+    return grown_tensor(grown, axis, extent, first.dtype)
 
 
 def _grown_whole(t, axis):

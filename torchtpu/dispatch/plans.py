@@ -19,6 +19,11 @@ _SCALARS = "scalars"
 # Op -> handler(*args, **kwargs), for ops a lowering cannot express.
 SPECIAL = {}
 
+# Op -> rule(func, args, kwargs) for the op on tensors padded along a length
+# that varies (torchtpu.dispatch.lengths fills it): its result computed on
+# the padded arrays, or NotImplemented.
+PADDED = {}
+
 
 # ---- per-op plans ----------------------------------------------------------
 
@@ -26,7 +31,7 @@ class Plan:
     """What the dispatcher needs to know about one OpOverload, made once."""
     __slots__ = ("func", "name", "kind", "lowering", "functional", "written",
                  "n_plain", "result_sources", "tensorish", "view_cache", "random", "matmul",
-                 "accepts", "special", "custom_default", "pos_flags", "handler")
+                 "accepts", "special", "custom_default", "pos_flags", "handler", "padded")
 
     def __init__(self, func):
         self.func = func

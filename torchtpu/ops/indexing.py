@@ -394,3 +394,38 @@ _WRITE_LIB.impl("write_at", lambda base, src, dim, offset: torch.empty_like(base
 def write_at(base, src, dim, offset):
     starts = [jnp.asarray(offset if d == dim else 0, jnp.int32) for d in range(base.ndim)]
     return jax.lax.dynamic_update_slice(base, src.astype(base.dtype), starts)
+
+
+# ---- lengths padded to a bucket ------------------------------------------------
+# torchtpu::mask_past(x, dim, extent, fill): x with every position from
+# `extent` on along `dim` set to fill. torchtpu::read_rows(src, start,
+# count, rows): `rows` rows of src from `start`, those from `count` on zeros
+# (and never read past src's end). Extents and starts are Scalars, fed at run
+# time: the tensors of a length that varies (torchtpu.dispatch.lengths) are
+# computed on arrays padded to a bucket, one kernel per bucket, not per length.
+_WRITE_LIB.define("mask_past(Tensor x, int dim, Scalar extent, Scalar fill) -> Tensor")
+_WRITE_LIB.impl("mask_past", lambda x, dim, extent, fill: torch.empty_like(x), "Meta")
+_WRITE_LIB.define("read_rows(Tensor src, Scalar start, Scalar count, int rows) -> Tensor")
+_WRITE_LIB.impl("read_rows", lambda src, start, count, rows: src.new_empty((rows,) + src.shape[1:]),
+                "Meta")
+
+
+def _before(extent, length, dim, ndim):
+    """Whether each position along dim comes before extent, shaped to
+    broadcast against an array of ndim dims."""
+    shape = [1] * ndim
+    shape[dim] = length
+    return (jnp.arange(length) < extent).reshape(shape)
+
+
+@lower(torch.ops.torchtpu.mask_past.default)
+def mask_past(x, dim, extent, fill):
+    return jnp.where(_before(extent, x.shape[dim], dim, x.ndim), x, jnp.asarray(fill, x.dtype))
+
+
+@lower(torch.ops.torchtpu.read_rows.default)
+def read_rows(src, start, count, rows):
+    valid = jnp.arange(rows) < count
+    index = jnp.where(valid, start + jnp.arange(rows), 0)
+    out = jnp.take(src, index, axis=0, mode="clip")
+    return jnp.where(_before(count, rows, 0, src.ndim), out, jnp.zeros((), src.dtype))

@@ -1,0 +1,360 @@
+"""Bounded dynamism for lengths that vary from step to step: a batch of rows
+sliced from data on the device at a new length each step (`data[i:i + n]`
+with n varying, a last short batch), and the tensors computed from it.
+Without it every op on them compiles one kernel per length (in fused mode,
+one graph per length).
+
+Once the rows that slices of one storage take have varied (a new kernel met
+a second row count), an op with a rule below reads such a slice as rows
+padded to a bucket (a power of two, at least PAD_MIN; zeros past the true
+count) by one torchtpu::read_rows kernel per bucket, and computes on the
+padded arrays. Its result's storage is a GrownStorage, padded along one dim
+with zeros past its extent, as torch.cat's growth makes
+(torchtpu.dispatch.growth), so the ops after it compile once per bucket too.
+
+The rules, each giving exactly the values of the op at the true extent:
+- the ops PyTorch tags pointwise (not random ones): computed on the padded
+  arrays, then the positions past the extent set back to zero
+  (torchtpu::mask_past), so that sums over the padded dim stay exact;
+- mm and addmm: padded rows or columns pass through; a contraction over the
+  padded dim is exact as it is (zeros add nothing);
+- sum: over the padded dim exact as it is, over others still padded;
+- softmax and log_softmax, and their backwards, over another dim;
+- nll_loss (cross_entropy) and its backward: targets past the extent
+  become ignore_index, so neither the loss nor its mean counts them;
+- embedding, and its backward (not with scale_grad_by_freq);
+- native_dropout: it draws for the padded positions too, and drops them.
+A view of such a tensor (a reshape, a transpose, a select along another dim)
+is read from the padded array when the padded dim is the outermost one the
+view's largest-stride dim spans, in whole. Any other op, and any view that
+cuts into the padded dim, reads the exact array, cut from the padded one: the
+same values, compiled per length (the advisor names the line).
+"""
+import math
+import typing
+import weakref
+
+import torch
+
+from ..ops import LOWERINGS
+from ..tensor import GrownStorage, Storage, TpuTensor, View, make_view, view_tensor, whole_tensor
+from .core import _run_lowered, dispatch, plan_of
+from .growth import grown_tensor
+from .plans import PADDED, SPECIAL
+
+from ..compat import aten
+
+PAD_MIN = 8
+
+# Storage -> the row count of the last slice of it that a new kernel read;
+# storages whose slices' row counts have varied.
+_rows_read = weakref.WeakKeyDictionary()
+_varying = weakref.WeakKeyDictionary()
+# (item shape, dtype) -> the count of the last torch.stack of such items, or
+# True once that count has varied (an RNN's steps, stacked).
+_stacked = {}
+
+
+def bucket(n):
+    """The padded length of a varying length n."""
+    size = PAD_MIN
+    while size < n:
+        size *= 2
+    return size
+
+
+class Operand(typing.NamedTuple):
+    """A tensor argument as its padded values: `padded` holds them along dim,
+    zeros from extent to capacity."""
+    padded: TpuTensor
+    dim: int
+    extent: int
+    capacity: int
+
+
+def operand(t):
+    """t as an Operand, or None when it is not padded (nor a slice of rows
+    whose count varies)."""
+    if type(t) is not TpuTensor:
+        return None
+    storage, view = t._storage, t._view
+    if type(storage) is GrownStorage:
+        grown = storage.grown
+        if grown is None:
+            return None
+        axis = storage.axis
+        if view is None:
+            return Operand(grown, axis, storage.extent, grown.shape[axis])
+        if math.prod(grown.shape[:axis]) != 1:
+            return None  # the logical elements are no prefix of the padded ones
+        return _viewed(t, grown, axis, storage.extent, 0)
+    if type(view) is not View or type(storage) is not Storage:
+        return None
+    rows = _rows(view, t._key[1])
+    if rows is None:
+        return None
+    start, count = rows
+    if _rows_read.get(storage, count) != count:
+        _varying[storage] = True
+    _rows_read[storage] = count
+    if storage not in _varying:
+        return None
+    whole = whole_tensor(storage, t._key[1], t.dtype)
+    padded = dispatch(torch.ops.torchtpu.read_rows.default, (whole, start, count, bucket(count)), {})
+    return _viewed(t, padded, 0, count, start * math.prod(t._key[1][1:]))
+
+
+def _rows(view, storage_shape):
+    """(first row, row count) of the rows of a storage of storage_shape that
+    view reaches, or None when it reaches them all (a weight's transpose)."""
+    if len(storage_shape) == 0 or 0 in view.shape:
+        return None
+    inner = math.prod(storage_shape[1:])
+    if inner == 0:
+        return None
+    last = view.offset + sum((n - 1) * abs(st) for n, st in zip(view.shape, view.stride))
+    start, end = view.offset // inner, last // inner + 1
+    if start == 0 and end == storage_shape[0]:
+        return None
+    return start, end - start
+
+
+def _viewed(t, base, axis, extent, offset0):
+    """The Operand of view t of logical rows that are the first `extent` along
+    base's padded axis (outermost in base: no dim before it is longer than
+    1), t's offset counted from offset0: the same view of base, its
+    largest-stride dim spanning the capacity."""
+    shape, stride, offset = t._view
+    offset -= offset0
+    inner = math.prod(base.shape[axis + 1:])
+    capacity = base.shape[axis]
+    dims = [i for i, (n, st) in enumerate(zip(shape, stride)) if n > 1 and st != 0]
+    if not dims or offset < 0 or min(stride) < 0:
+        return None
+    d = max(dims, key=lambda i: stride[i])
+    if shape[d] * stride[d] != extent * inner or (capacity * inner) % stride[d]:
+        return None
+    if offset + sum((shape[i] - 1) * stride[i] for i in dims if i != d) >= stride[d]:
+        return None
+    padded_shape = list(shape)
+    padded_shape[d] = capacity * inner // stride[d]
+    padded_shape = tuple(padded_shape)
+    key = (t.dtype, tuple(base.shape), make_view(base.shape, padded_shape, stride, offset), t._key[3])
+    return Operand(view_tensor(base._storage, padded_shape, tuple(stride), offset, key),
+                   d, shape[d], padded_shape[d])
+
+
+def _masked(t, dim, extent, fill=0):
+    return dispatch(torch.ops.torchtpu.mask_past.default, (t, dim, extent, fill), {})
+
+
+def _result(out, dim, extent, mask=True):
+    """A padded result as the tensor of its extent: zeros past it."""
+    if mask:
+        out = _masked(out, dim, extent)
+    return grown_tensor(out, dim, extent, out.dtype)
+
+
+def _same(*operands):
+    return len({(o.extent, o.capacity) for o in operands}) == 1
+
+
+# ---- the rules -----------------------------------------------------------------
+
+def _pointwise(func, args, kwargs):
+    if any(type(v) is TpuTensor for v in kwargs.values()):
+        return NotImplemented
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    ndim = max(args[i].dim() for i in tensors)
+    new, found = list(args), None
+    for i in tensors:
+        o = operand(args[i])
+        if o is None:
+            continue
+        place = (ndim - args[i].dim() + o.dim, o.extent, o.capacity)
+        if found is not None and place != found:
+            return NotImplemented
+        found, new[i] = place, o.padded
+    if found is None:
+        return NotImplemented
+    at = found[0]
+    for i in tensors:
+        j = at - (ndim - args[i].dim())
+        if new[i] is args[i] and j >= 0 and args[i].shape[j] != 1:
+            return NotImplemented  # an exact tensor of the extent's length
+    return _result(dispatch(func, tuple(new), kwargs), at, found[1])
+
+
+def _product(a, b):
+    """(a, b) as padded arrays for a matrix product, and where its result is
+    padded ((dim, extent), or None for a contraction over the padded dim);
+    None when the product cannot take them."""
+    oa, ob = operand(a), operand(b)
+    if oa is not None and ob is None and oa.dim == a.dim() - 2:
+        return oa.padded, b, (oa.dim, oa.extent)
+    if ob is not None and oa is None and ob.dim == b.dim() - 1:
+        return a, ob.padded, (ob.dim, ob.extent)
+    if (oa is not None and ob is not None and oa.dim == a.dim() - 1 and ob.dim == b.dim() - 2
+            and _same(oa, ob)):
+        return oa.padded, ob.padded, None
+    return None
+
+
+def _mm(func, args, kwargs):
+    found = _product(args[0], args[1]) if not kwargs else None
+    if found is None:
+        return NotImplemented
+    a, b, place = found
+    out = dispatch(func, (a, b), {})
+    return out if place is None else _result(out, *place)
+
+
+def _addmm(func, args, kwargs):
+    bias = args[0]
+    if operand(bias) is not None:
+        return NotImplemented
+    found = _product(args[1], args[2])
+    if found is None:
+        return NotImplemented
+    a, b, place = found
+    if place is not None and bias.dim() - 2 + place[0] >= 0 and bias.shape[bias.dim() - 2 + place[0]] != 1:
+        return NotImplemented  # a bias of the extent's length
+    out = dispatch(func, (bias, a, b, *args[3:]), kwargs)
+    return out if place is None else _result(out, *place)
+
+
+def _sum(func, args, kwargs):
+    x = args[0]
+    o = operand(x)
+    if o is None:
+        return NotImplemented
+    out = dispatch(func, (o.padded, *args[1:]), kwargs)
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if func is aten.sum.default or not dims:
+        return out  # over every dim: the zeros add nothing
+    dims = {d % max(x.dim(), 1) for d in dims}
+    if o.dim in dims:
+        return out
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    at = o.dim if keepdim else o.dim - sum(1 for d in dims if d < o.dim)
+    return _result(out, at, o.extent, mask=False)  # sums of zeros are zeros
+
+
+def _softmax(func, args, kwargs):
+    x, dim = args[0], args[1]
+    o = operand(x)
+    if o is None or kwargs or o.dim == dim % x.dim():
+        return NotImplemented
+    return _result(dispatch(func, (o.padded, *args[1:]), {}), o.dim, o.extent)
+
+
+def _softmax_backward(func, args, kwargs):
+    grad, output, dim = args[0], args[1], args[2]
+    og, oo = operand(grad), operand(output)
+    if (og is None or oo is None or kwargs or og.dim != oo.dim or not _same(og, oo)
+            or og.dim == dim % grad.dim()):
+        return NotImplemented
+    return _result(dispatch(func, (og.padded, oo.padded, *args[2:]), {}), og.dim, og.extent)
+
+
+def _nll_inputs(x, target, ignore_index):
+    """(x, target) padded along the batch, the targets past the extent
+    ignored; None unless both are padded alike along it."""
+    ox, ot = operand(x), operand(target)
+    if ox is None or ot is None or x.dim() != 2 or ox.dim != 0 or ot.dim != 0 or not _same(ox, ot):
+        return None
+    return ox, _masked(ot.padded, 0, ot.extent, ignore_index)
+
+
+def _nll_loss(func, args, kwargs):
+    x, target, weight, reduction, ignore_index = args
+    found = _nll_inputs(x, target, ignore_index) if not kwargs else None
+    if found is None or operand(weight) is not None:
+        return NotImplemented
+    ox, target = found
+    out, total = dispatch(func, (ox.padded, target, weight, reduction, ignore_index), {})
+    if reduction == 0:  # none: one loss a row, padded
+        out = _result(out, 0, ox.extent)
+    return out, total
+
+
+def _nll_loss_backward(func, args, kwargs):
+    grad, x, target, weight, reduction, ignore_index, total = args
+    found = _nll_inputs(x, target, ignore_index) if not kwargs else None
+    if found is None or operand(weight) is not None:
+        return NotImplemented
+    ox, target = found
+    if reduction == 0:
+        og = operand(grad)
+        if og is None or og.dim != 0 or not _same(og, ox):
+            return NotImplemented
+        grad = og.padded
+    out = dispatch(func, (grad, ox.padded, target, weight, reduction, ignore_index, total), {})
+    return _result(out, 0, ox.extent)
+
+
+def _embedding(func, args, kwargs):
+    weight, indices = args[0], args[1]
+    oi = operand(indices)
+    if oi is None or kwargs or operand(weight) is not None:
+        return NotImplemented
+    return _result(dispatch(func, (weight, oi.padded, *args[2:]), {}), oi.dim, oi.extent)
+
+
+def _embedding_backward(func, args, kwargs):
+    grad, indices, num_weights, padding_idx, scale_grad_by_freq = args
+    og, oi = operand(grad), operand(indices)
+    if og is None or oi is None or kwargs or scale_grad_by_freq or og.dim != oi.dim or not _same(og, oi):
+        return NotImplemented
+    # Rows past the extent: zero gradients, added to the row of index 0.
+    return dispatch(func, (og.padded, oi.padded, num_weights, padding_idx, False), {})
+
+
+def _dropout(func, args, kwargs):
+    o = operand(args[0])
+    if o is None or kwargs:
+        return NotImplemented
+    out, keep = dispatch(func, (o.padded, *args[1:]), {})
+    return _result(out, o.dim, o.extent), _result(keep, o.dim, o.extent)
+
+
+def _stack(tensors, dim=0):
+    """torch.stack along dim 0 of a count of items that varies: the items and
+    zeros, a bucket of them, so that one kernel serves the bucket."""
+    plan = plan_of(aten.stack.default)
+    first = tensors[0] if len(tensors) else None
+    if (type(first) is not TpuTensor or dim != 0
+            or any(type(t) is not TpuTensor or t.shape != first.shape or t.dtype != first.dtype
+                   or t._storage.device != first._storage.device for t in tensors)):
+        return _run_lowered(plan, (tensors, dim), {})
+    n, kind = len(tensors), (tuple(first.shape), first.dtype)
+    seen = _stacked.get(kind, n)
+    _stacked[kind] = True if seen is True or seen != n else n
+    if _stacked[kind] is not True or len(_stacked) > 4096:
+        return _run_lowered(plan, (tensors, dim), {})
+    # Zeros of their own storages: the kernel's key is the bucket's, whatever n.
+    zeros = [dispatch(aten.zeros_like.default, (first,), {}) for _ in range(bucket(n) - n)]
+    out = _run_lowered(plan, (list(tensors) + zeros, 0), {})
+    return grown_tensor(out, 0, n, out.dtype)
+
+
+SPECIAL[aten.stack.default] = _stack
+
+for _op, _fn in LOWERINGS.items():
+    if torch.Tag.pointwise in _op.tags and not _fn.random:
+        PADDED.setdefault(_op, _pointwise)
+PADDED.update({
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten.sum.default: _sum,
+    aten.sum.dim_IntList: _sum,
+    aten._softmax.default: _softmax,
+    aten._log_softmax.default: _softmax,
+    aten._softmax_backward_data.default: _softmax_backward,
+    aten._log_softmax_backward_data.default: _softmax_backward,
+    aten.nll_loss_forward.default: _nll_loss,
+    aten.nll_loss_backward.default: _nll_loss_backward,
+    aten.embedding.default: _embedding,
+    aten.embedding_dense_backward.default: _embedding_backward,
+    aten.native_dropout.default: _dropout,
+})
