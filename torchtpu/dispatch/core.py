@@ -30,7 +30,7 @@ from .build import KernelEntry, build_kernel, drop_out_args, physical_order
 from .keys import (Call, arg_spec, device_mismatch, first_device, grown_readable, kernel_device,
                    named, offsets_fed, whole_shape)
 from .meta import flatten, meta_like, meta_outcome, run_meta, unflatten, written_checked
-from .plans import _INDICES, PADDED, SPECIAL, Plan
+from .plans import _INDICES, SPECIAL, Plan
 
 from ..compat import aten
 
@@ -48,7 +48,6 @@ def plan_of(func):
     if p is None:
         p = _plans[func] = Plan(func)
         p.special = SPECIAL.get(func)
-        p.padded = PADDED.get(func) if p.kind == "lower" else None
         p.handler = _handler(p)
         _plans_by_id[id(func)] = p
     return p
@@ -103,9 +102,8 @@ _OVERWRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.ze
 
 
 def _overwrite_lost(func, args):
-    """Whether func writes all of a lost tensor (load_state_dict's copy_ into
-    parameters lost in a failed step) and reads no other lost value: then
-    the storage is given zeros to write over, and the call is run again."""
+    """Whether func writes all of a lost tensor (load_state_dict's copy_ into parameters lost in a
+    failed step) and reads no other lost value: then it gets zeros to write over, to run again."""
     if func not in _OVERWRITES or type(args[0]) is not TpuTensor or args[0]._view is not None:
         return False
     storage = args[0]._storage
@@ -173,28 +171,22 @@ def _run_lowered(plan, args, kwargs):
         if type(a) is TpuTensor:
             storage = a._storage
             if type(storage) is GrownStorage and plan.padded is not None and storage.grown is not None:
-                # An op with a rule for padded tensors: computed on the padded
-                # arrays (torchtpu.dispatch.lengths), unless the rule declines.
-                out = plan.padded(plan.func, args, kwargs)
+                out = plan.padded(plan.func, args, kwargs)  # on the padded arrays (dispatch.lengths)
                 if out is not NotImplemented:
                     return out
             if type(storage) is GrownStorage and a._view is not None:
                 if (plan.func is not _READ and plan.kind != "mutate"
                         and not modes.current().fuses and grown_readable(a)):
-                    # A view of a grown storage (`ids[:, -1:]`): read on its
-                    # own, by one kernel per bucket that every reader of the
-                    # view shares; the op then compiles once for the view.
-                    # (Fused mode compiles graphs, not these kernels.)
+                    # A view of a grown storage (`ids[:, -1:]`): read by one kernel per
+                    # bucket, so the op compiles once for the view (not fused mode's).
                     a = _run_lowered(plan_of(_READ), (a,), _CONTIGUOUS)
                     i = len(pos_specs)  # a's position (one spec per argument so far)
                     args = (*args[:i], a, *args[i + 1:])  # (its meta run too)
                     storage = a._storage
                 else:
-                    # The read itself: from the padded array, at a run-time
-                    # offset (or, where no offset says it, the exact array).
+                    # The read itself: from the padded array at a run-time offset (or the exact one).
                     if call is None:
-                        call = Call(storages, arrays, slots, (args, kwargs),
-                                    plan.kind != "mutate")
+                        call = Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
                     pos_specs.append(arg_spec(call, a, f))
                     continue
             slot = slots.get(storage)
@@ -235,9 +227,7 @@ def _run_lowered(plan, args, kwargs):
                 pos_specs, kw_specs, dynamic, key = fed[0], fed[1], fed[2], general
                 entry = cache.lookup(key)
     if entry is None and plan.padded is not None:
-        # A new kernel: if it is for a slice of a new length of rows that
-        # varies, the op runs on rows padded to a bucket (dispatch.lengths).
-        out = plan.padded(plan.func, args, kwargs)
+        out = plan.padded(plan.func, args, kwargs)  # slices of a varying row count, padded
         if out is not NotImplemented:
             return out
     if entry is None:

@@ -50,8 +50,8 @@ PAD_MIN = 8
 # storages whose slices' row counts have varied.
 _rows_read = weakref.WeakKeyDictionary()
 _varying = weakref.WeakKeyDictionary()
-# (item shape, dtype) -> the count of the last torch.stack of such items, or
-# True once that count has varied (an RNN's steps, stacked).
+# (item shape, dtype) -> the count (at least PAD_MIN) of the last torch.stack
+# of such items, or True once that count has varied (an RNN's steps).
 _stacked = {}
 
 
@@ -328,6 +328,10 @@ def _stack(tensors, dim=0):
                    or t._storage.device != first._storage.device for t in tensors)):
         return _run_lowered(plan, (tensors, dim), {})
     n, kind = len(tensors), (tuple(first.shape), first.dtype)
+    if n < PAD_MIN:
+        # Not noted: an RNN's final states of its few layers, stacked
+        # beside its steps' outputs of the same shape.
+        return _run_lowered(plan, (tensors, dim), {})
     seen = _stacked.get(kind, n)
     _stacked[kind] = True if seen is True or seen != n else n
     if _stacked[kind] is not True or len(_stacked) > 4096:

@@ -79,6 +79,7 @@ class Plan:
         else:
             self.kind = "other"
         self.random = getattr(self.lowering, "random", False)
+        self.padded = PADDED.get(func) if self.kind == "lower" else None
         self.matmul = getattr(self.lowering, "matmul", False)
         # A library's custom op with a kernel for this device or for any
         # (FSDP2's copy-in and copy-out ops register Python ones): the key
