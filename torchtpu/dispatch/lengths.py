@@ -323,7 +323,7 @@ def _stack(tensors, dim=0):
     zeros, a bucket of them, so that one kernel serves the bucket."""
     plan = plan_of(aten.stack.default)
     first = tensors[0] if len(tensors) else None
-    if (type(first) is not TpuTensor or dim != 0
+    if (type(first) is not TpuTensor or dim != 0 or first.dim() == 0
             or any(type(t) is not TpuTensor or t.shape != first.shape or t.dtype != first.dtype
                    or t._storage.device != first._storage.device for t in tensors)):
         return _run_lowered(plan, (tensors, dim), {})
@@ -336,8 +336,10 @@ def _stack(tensors, dim=0):
     _stacked[kind] = True if seen is True or seen != n else n
     if _stacked[kind] is not True or len(_stacked) > 4096:
         return _run_lowered(plan, (tensors, dim), {})
-    # Zeros of their own storages: the kernel's key is the bucket's, whatever n.
-    zeros = [dispatch(aten.zeros_like.default, (first,), {}) for _ in range(bucket(n) - n)]
+    # Zeros of their own storages, so the kernel's key is the bucket's whatever
+    # n; made from first (not by zeros_like, whose arrays JAX leaves
+    # uncommitted to a device: the kernel would compile again for each n).
+    zeros = [_masked(first, 0, 0) for _ in range(bucket(n) - n)]
     out = _run_lowered(plan, (list(tensors) + zeros, 0), {})
     return grown_tensor(out, 0, n, out.dtype)
 

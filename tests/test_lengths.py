@@ -1,0 +1,168 @@
+"""Slices of rows whose count varies from step to step
+(torchtpu.dispatch.lengths): ops on them run on rows padded to a bucket,
+with CPU's values, and compile once per bucket, not once per length."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu
+from torchtpu.tensor import GrownStorage
+
+from conftest import assert_same
+
+nn = torch.nn
+
+
+def _compilations():
+    s = torchtpu.metrics.snapshot()
+    return s["compilations"] + s.get("graphs_compiled", 0)
+
+
+def _ops(x, ix, w, emb):
+    """Ops with rules for padded rows, then some without (read exact)."""
+    n = x.shape[0]
+    y = (x * 2 + 1).relu()
+    z = y @ w
+    e = F.embedding(ix, emb)
+    ruled = [y, z, y.t() @ x, torch.addmm(w[0], y, w), z.sum(0), z.sum(1), y.sum(),
+             z.log_softmax(1), z.softmax(-1), torch.where(x > 0, x, w[:, 0]),
+             e.reshape(-1, 4).sum(0), e.reshape(n, -1), e.transpose(0, 1), e[:, 1] * 3]
+    exact = [x.cumsum(0), x.mean(0), x[:-1] - x[1:], z.max(0).values, x.flip(0)]
+    return ruled, exact
+
+
+def test_ops_on_slices_of_varying_length_equal_cpu(mode):
+    # A width of each mode's own: no kernel met in another mode's run.
+    width = {"debug": 5, "strict": 6, "fused": 7}[mode]
+    data, idx = torch.randn(200, width), torch.randint(0, 10, (200, 3))
+    w, emb = torch.randn(width, width), torch.randn(10, 4)
+    dt, it, wt, et = data.to("tpu"), idx.to("tpu"), w.to("tpu"), emb.to("tpu")
+    for i, n in enumerate([9, 13, 11, 16, 10]):  # after the first: padded to 16
+        rows = slice(3 * i, 3 * i + n)
+        (ruled, exact), (cpu_ruled, cpu_exact) = _ops(dt[rows], it[rows], wt, et), _ops(
+            data[rows], idx[rows], w, emb)
+        assert_same(ruled, cpu_ruled)
+        assert_same(exact, cpu_exact)
+        if i > 0:
+            assert type(ruled[0]._storage) is GrownStorage
+            assert ruled[0]._storage.grown.shape[0] == 16
+
+
+def _train(device, lengths, model, loss_fn, batch=4, vocab=50):
+    """SGD on batches sliced at a moving offset, of lengths from lengths;
+    returns losses, compilations per step and the final parameters."""
+    torch.manual_seed(0)
+    model = model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = torch.randint(0, vocab, (600, batch), generator=torch.Generator().manual_seed(0)).to(device)
+    losses, compiled, i = [], [], 0
+    for n in lengths:
+        before = _compilations()
+        x, y = data[i:i + n], data[i + 1:i + 1 + n].reshape(-1)
+        loss = loss_fn(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if device != "cpu":
+            torchtpu.wait_for_compiles()
+        compiled.append(_compilations() - before)
+        i += n
+    return losses, compiled, [p.detach().cpu() for p in model.parameters()]
+
+
+class _Tagger(nn.Module):
+    def __init__(self, vocab=50):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(vocab, 8), nn.Linear(8, vocab)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.emb(x)))
+
+
+def _tagger_loss(model, x, y):
+    weight = torch.linspace(0.5, 1.5, 50, device=x.device)
+    return F.cross_entropy(model(x).reshape(-1, 50), y, weight=weight, ignore_index=3)
+
+
+WARM = [17, 30, 25, 28]  # the first length exact, then padded to 32
+
+
+def test_training_on_varying_lengths_equals_cpu_and_compiles_per_bucket(mode):
+    lengths = WARM + [31, 20, 29, 22, 19, 32]
+    cpu_losses, _, cpu_params = _train("cpu", lengths, _Tagger, _tagger_loss)
+    losses, compiled, params = _train("tpu", lengths, _Tagger, _tagger_loss)
+    assert losses == pytest.approx(cpu_losses, rel=1e-5)
+    assert_same(params, cpu_params)
+    assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
+
+
+class _LanguageModel(nn.Module):
+    def __init__(self, vocab=50, width=16):
+        super().__init__()
+        self.emb, self.rnn = nn.Embedding(vocab, width), nn.LSTM(width, width, 2)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        return self.out(self.rnn(self.emb(x))[0])
+
+
+def _lm_loss(model, x, y):
+    return F.cross_entropy(model(x).reshape(-1, 50), y)
+
+
+@pytest.mark.parametrize("eager", ["strict", "fused"])
+def test_lstm_on_varying_lengths_equals_cpu_and_compiles_per_bucket(eager):
+    lengths = WARM + [31, 20, 29, 18]
+    cpu_losses, _, cpu_params = _train("cpu", lengths, _LanguageModel, _lm_loss)
+    with torchtpu.eager_mode(eager):
+        losses, compiled, params = _train("tpu", lengths, _LanguageModel, _lm_loss)
+    assert losses == pytest.approx(cpu_losses, rel=1e-5)
+    assert_same(params, cpu_params, atol=1e-5, rtol=1e-4)
+    if eager == "strict":  # (fused mode's graphs hold one LSTM cell a time step)
+        assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_nll_loss_counts_only_the_true_rows(reduction):
+    data, targets = torch.randn(100, 7), torch.randint(0, 7, (100,))
+    targets[::5] = 2  # ignored below
+    weight = torch.rand(7) + 0.5
+    dt, tt, wt = data.to("tpu").requires_grad_(), targets.to("tpu"), weight.to("tpu")
+    data.requires_grad_()
+    for i, n in enumerate([10, 21, 14, 30]):
+        rows = slice(2 * i, 2 * i + n)
+
+        def loss(x, t, w):
+            return F.nll_loss(x[rows].log_softmax(1), t[rows], weight=w, ignore_index=2,
+                              reduction=reduction)
+        got, want = loss(dt, tt, wt), loss(data, targets, weight)
+        assert_same(got, want)
+        assert_same(torch.autograd.grad(got.sum(), dt)[0], torch.autograd.grad(want.sum(), data)[0])
+
+
+def test_writes_to_padded_tensors_and_through_slices(mode):
+    data = torch.randn(50, 3)
+    dt = data.to("tpu")
+    for i, n in enumerate([5, 9, 7]):
+        rows = slice(i, i + n)
+        y, yc = dt[rows] * 2, data[rows] * 2
+        y.add_(1)
+        yc.add_(1)
+        y[0] = 5.0
+        yc[0] = 5.0
+        assert_same(y + 1, yc + 1)
+        dt[rows].mul_(3)  # a write through the slice reaches the data
+        data[rows].mul_(3)
+        assert_same((dt[rows] - 1).sum(0), (data[rows] - 1).sum(0))
+    assert_same(dt, data)
+
+
+def test_stack_of_a_varying_count(mode):
+    items = [torch.randn(3, 2) for _ in range(20)]
+    tpu_items = [t.to("tpu") for t in items]
+    for k in [9, 12, 10, 15]:
+        got, want = torch.stack(tpu_items[:k]), torch.stack(items[:k])
+        assert got.shape == want.shape
+        assert_same([got, (got * 2).sum(0), got.mean(0), got[-1]],
+                    [want, (want * 2).sum(0), want.mean(0), want[-1]])
