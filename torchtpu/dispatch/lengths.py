@@ -328,17 +328,18 @@ def _stack(tensors, dim=0):
                    or t._storage.device != first._storage.device for t in tensors)):
         return _run_lowered(plan, (tensors, dim), {})
     n, kind = len(tensors), (tuple(first.shape), first.dtype)
-    if n < PAD_MIN:
+    if n < PAD_MIN or (kind not in _stacked and len(_stacked) >= 4096):
         # Not noted: an RNN's final states of its few layers, stacked
         # beside its steps' outputs of the same shape.
         return _run_lowered(plan, (tensors, dim), {})
     seen = _stacked.get(kind, n)
     _stacked[kind] = True if seen is True or seen != n else n
-    if _stacked[kind] is not True or len(_stacked) > 4096:
+    if _stacked[kind] is not True:
         return _run_lowered(plan, (tensors, dim), {})
     # Zeros of their own storages, so the kernel's key is the bucket's whatever
-    # n; made from first (not by zeros_like, whose arrays JAX leaves
-    # uncommitted to a device: the kernel would compile again for each n).
+    # n. Made from first, not by zeros_like: its arrays are not committed to a
+    # device, and a kernel jitted without the disk cache compiles again when
+    # committed arrays take their places.
     zeros = [_masked(first, 0, 0) for _ in range(bucket(n) - n)]
     out = _run_lowered(plan, (list(tensors) + zeros, 0), {})
     return grown_tensor(out, 0, n, out.dtype)
