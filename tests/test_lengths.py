@@ -166,3 +166,45 @@ def test_stack_of_a_varying_count(mode):
         assert got.shape == want.shape
         assert_same([got, (got * 2).sum(0), got.mean(0), got[-1]],
                     [want, (want * 2).sum(0), want.mean(0), want[-1]])
+
+
+def _padded_rows(t):
+    """t (CPU) on the tpu as a tensor of padded rows: its storage holds a
+    bucket of them, zeros past its own."""
+    from torchtpu.dispatch import growth, lengths
+    n = t.shape[0]
+    extra = torch.zeros((lengths.bucket(n + 1) - n,) + t.shape[1:], dtype=t.dtype)
+    return growth.grown_tensor(torch.cat([t, extra]).to("tpu"), 0, n, t.dtype)
+
+
+def test_pointwise_ops_on_padded_rows_give_opinfo_samples_cpu_values():
+    """PyTorch's own samples for every op it tags pointwise, its tensors of the
+    input's rows padded: CPU's values, and results that stay padded."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from torchtpu.dispatch import lengths
+    names = {op._schema.name.split("::")[1] for op, rule in lengths.PADDED.items()
+             if rule is lengths._pointwise}
+    ran = padded = 0
+    for info in op_db:
+        if info.name.split(".")[0] not in names:
+            continue
+        for s in list(info.sample_inputs("cpu", torch.float32))[:2]:
+            x = s.input
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] < 2:
+                continue
+            try:
+                want = info(x, *s.args, **s.kwargs)
+            except Exception:
+                continue  # (CPU refuses the sample)
+
+            def moved(a):
+                if isinstance(a, torch.Tensor):
+                    return _padded_rows(a) if a.dim() and a.shape[0] == x.shape[0] else a.to("tpu")
+                return a
+            got = info(moved(x), *[moved(a) for a in s.args],
+                       **{k: moved(v) for k, v in s.kwargs.items()})
+            assert_same(got, want, equal_nan=True, msg=lambda m: f"{info.name}: {m}")
+            ran += 1
+            padded += isinstance(got, torch.Tensor) and type(got._storage) is GrownStorage
+    assert ran > 120 and padded > 100, (ran, padded)  # (133 and 122 samples when written)

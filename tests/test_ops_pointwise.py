@@ -275,6 +275,20 @@ def test_noncontiguous_and_broadcast():
     check(lambda x: x.expand(3, 4) * 2, make(F32, (1, 4)))
 
 
+@pytest.mark.parametrize("dtype", [F32, I64])
+def test_broadcast_of_different_ranks(dtype):
+    # Ops lowered to lax's, which do not broadcast (OpInfo's samples of [5, 1] and [5]).
+    a, b = make(dtype, (5, 1)), make(dtype, (5,), seed=1, low=1)
+    for fn in [torch.fmod, torch.remainder, lambda x, y: torch.div(x, y, rounding_mode="trunc"),
+               lambda x, y: torch.div(x, y, rounding_mode="floor")]:
+        check(fn, a, b)
+        check(fn, b, a.abs() + 1)
+    if dtype == I64:
+        check(torch.bitwise_left_shift, a, b % 8)
+        check(torch.bitwise_right_shift, a, b % 8)
+        check(torch.lcm, a, b)
+
+
 def test_in_place_and_out():
     a, b = make(F32, seed=1), make(F32, seed=2)
     for fn in (lambda x, y: x.add_(y, alpha=2), lambda x, y: x.mul_(y), lambda x, y: x.clamp_(-1, 1),

@@ -182,7 +182,10 @@ def _pointwise(func, args, kwargs):
         j = at - (ndim - args[i].dim())
         if new[i] is args[i] and j >= 0 and args[i].shape[j] != 1:
             return NotImplemented  # an exact tensor of the extent's length
-    return _result(dispatch(func, tuple(new), kwargs), at, found[1])
+    out = dispatch(func, tuple(new), kwargs)
+    if type(out) is tuple:  # frexp's mantissa and exponent
+        return tuple(_result(o, at, found[1]) for o in out)
+    return _result(out, at, found[1])
 
 
 def _product(a, b):

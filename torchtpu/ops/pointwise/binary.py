@@ -58,12 +58,12 @@ def mul(a, b):
 
 def _trunc_div(a, b):
     if _is_int(a):
-        return lax.div(a, b)
+        return lax.div(*jnp.broadcast_arrays(a, b))
     return jnp.trunc(a / b)
 
 
 def _fmod(a, b):
-    return lax.rem(a, b)
+    return lax.rem(*jnp.broadcast_arrays(a, b))  # (lax's ops do not broadcast)
 
 
 def _floor_div(a, b):
@@ -231,7 +231,7 @@ def lcm(a, b):
     # where C++ computes types narrower than int in int.
     if jnp.dtype(res).itemsize < 4:
         a, b, g = a.astype(jnp.int32), b.astype(jnp.int32), g.astype(jnp.int32)
-    out = jnp.abs(lax.div(a, jnp.where(g == 0, 1, g)) * b)
+    out = jnp.abs(lax.div(*jnp.broadcast_arrays(a, jnp.where(g == 0, 1, g))) * b)
     return jnp.where(g == 0, 0, out).astype(res)
 
 

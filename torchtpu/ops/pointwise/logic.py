@@ -65,12 +65,13 @@ def bitwise_not(x):
 def _lshift(a, b):
     (a, b), res = promote(a, b)
     # XLA gives 0 for shifts >= the bit width (and negative ones), as PyTorch.
-    return lax.shift_left(a, b).astype(res)
+    return lax.shift_left(*jnp.broadcast_arrays(a, b)).astype(res)  # (lax's ops do not broadcast)
 
 
 @guard("rshift", "bf")
 def _rshift(a, b):
     (a, b), res = promote(a, b)
+    a, b = jnp.broadcast_arrays(a, b)
     if jnp.issubdtype(a.dtype, jnp.unsignedinteger):
         return lax.shift_right_logical(a, b).astype(res)
     return lax.shift_right_arithmetic(a, b).astype(res)
