@@ -26,8 +26,9 @@ def _ops(x, ix, w, emb):
     e = F.embedding(ix, emb)
     ruled = [y, z, y.t() @ x, torch.addmm(w[0], y, w), z.sum(0), z.sum(1), y.sum(),
              z.log_softmax(1), z.softmax(-1), torch.where(x > 0, x, w[:, 0]),
-             e.reshape(-1, 4).sum(0), e.reshape(n, -1), e.transpose(0, 1), e[:, 1] * 3]
-    exact = [x.cumsum(0), x.mean(0), x[:-1] - x[1:], z.max(0).values, x.flip(0)]
+             e.reshape(-1, 4).sum(0), e.reshape(n, -1), e.transpose(0, 1), e[:, 1] * 3,
+             x.mean(0), y.mean(), z.mean(1, keepdim=True), y.double() + 1, torch.cat([y, z], 1)]
+    exact = [x.cumsum(0), x[:-1] - x[1:], z.max(0).values, x.flip(0), torch.cat([y, z])]
     return ruled, exact
 
 

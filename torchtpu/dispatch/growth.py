@@ -92,6 +92,10 @@ def _cat(tensors, dim=0):
     if (type(storage) is GrownStorage and storage.grown is not None and first._view is None
             and storage.axis == axis):
         return _extend(first, tensors[1:], axis)
+    if plan.padded is not None and any(type(t._storage) is GrownStorage for t in tensors):
+        out = plan.padded(plan.func, (tensors, dim), {})  # along another dim (dispatch.lengths)
+        if out is not NotImplemented:
+            return out
     out = _run_lowered(plan, (tensors, dim), {})
     if _cat_results.get(storage) == axis and first._view is None:
         # The second cat of a chain along this axis: it grows.

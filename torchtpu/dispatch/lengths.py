@@ -18,7 +18,9 @@ The rules, each giving exactly the values of the op at the true extent:
   (torchtpu::mask_past), so that sums over the padded dim stay exact;
 - mm and addmm: padded rows or columns pass through; a contraction over the
   padded dim is exact as it is (zeros add nothing);
-- sum: over the padded dim exact as it is, over others still padded;
+- sum and mean: over the padded dim exact as it is (a mean divides by the
+  true count), over others still padded;
+- a dtype conversion; torch.cat along another dim;
 - softmax and log_softmax, and their backwards, over another dim;
 - nll_loss (cross_entropy) and its backward: targets past the extent
   become ignore_index, so neither the loss nor its mean counts them;
@@ -243,6 +245,42 @@ def _sum(func, args, kwargs):
     return _result(out, at, o.extent, mask=False)  # sums of zeros are zeros
 
 
+def _mean(func, args, kwargs):
+    x = args[0]
+    o = operand(x)
+    if o is None or not (x.is_floating_point() or x.is_complex() or kwargs.get("dtype")):
+        return NotImplemented  # (CPU's error for an integer mean, from the exact path)
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    dims = set(range(x.dim())) if func is aten.mean.default or not dims else {
+        d % max(x.dim(), 1) for d in dims}
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if o.dim not in dims:  # means of zeros are zeros
+        at = o.dim if keepdim else o.dim - sum(1 for d in dims if d < o.dim)
+        return _result(dispatch(func, (o.padded, *args[1:]), kwargs), at, o.extent, mask=False)
+    # Over the padded dim: the padded sum (the zeros add nothing) over the true count.
+    total = dispatch(aten.sum.dim_IntList, (o.padded, sorted(dims), keepdim), {"dtype": kwargs.get("dtype")})
+    return dispatch(aten.div.Scalar, (total, math.prod(x.shape[d] for d in dims)), {})
+
+
+def _to_copy(func, args, kwargs):
+    if set(kwargs) - {"dtype", "memory_format"}:
+        return NotImplemented  # (the transfer handler left only these for the tpu)
+    return _pointwise(func, args, kwargs)
+
+
+def _cat(func, args, kwargs):
+    """torch.cat along another dim than the padded one (growth's cat calls it
+    for tensors of one shape but along dim)."""
+    tensors, dim = args
+    found = [operand(t) for t in tensors]
+    if any(o is None for o in found) or len({(o.dim, o.extent, o.capacity) for o in found}) != 1:
+        return NotImplemented
+    at = found[0].dim
+    if dim % tensors[0].dim() == at:
+        return NotImplemented
+    return _result(dispatch(func, ([o.padded for o in found], dim), {}), at, found[0].extent, mask=False)
+
+
 def _softmax(func, args, kwargs):
     x, dim = args[0], args[1]
     o = operand(x)
@@ -358,6 +396,10 @@ PADDED.update({
     aten.addmm.default: _addmm,
     aten.sum.default: _sum,
     aten.sum.dim_IntList: _sum,
+    aten.mean.default: _mean,
+    aten.mean.dim: _mean,
+    aten._to_copy.default: _to_copy,
+    aten.cat.default: _cat,
     aten._softmax.default: _softmax,
     aten._log_softmax.default: _softmax,
     aten._softmax_backward_data.default: _softmax_backward,
