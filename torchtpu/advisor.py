@@ -87,8 +87,9 @@ def _bucket_hint(shapes):
 
 
 def note_grown_cut(op, line, dim, length, bucket):
-    """A tensor grown step by step (torchtpu.dispatch.growth) is read whole
-    by op, which does not know growth: it compiles for each length."""
+    """A padded tensor (grown step by step, torchtpu.dispatch.growth, or of
+    a varying length, dispatch.lengths) is read whole by op, which has no
+    rule for padded tensors: it compiles for each length."""
     S.grown_cuts[(op, line, dim, bucket)] += 1
 
 
@@ -140,8 +141,9 @@ def summary():
         for line, what, why in again[-6:]:
             out.append(f"    {metrics.short_line(line)}: {what}: {why}")
     if S.grown_cuts:
-        out.append("  Growing tensors read whole (torch.cat in a loop; the op that reads one "
-                   "compiles for each length, where cat, views and attention use its bucket):")
+        out.append("  Padded tensors read whole (grown by torch.cat in a loop, or of a length that "
+                   "varies; the op that reads one compiles for each length, where the ops with "
+                   "a rule for padded tensors use its bucket, docs/modes.md):")
         for (op, line, dim, bucket), n in S.grown_cuts.most_common(6):
             out.append(f"    {op} at {metrics.short_line(line)}: dim {dim}, {n} times; its bucket is {bucket}")
     graphs = snap.get("graphs_compiled", 0)
