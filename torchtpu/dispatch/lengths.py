@@ -87,8 +87,8 @@ def operand(t):
         axis = storage.axis
         if view is None:
             return Operand(grown, axis, storage.extent, grown.shape[axis])
-        if math.prod(grown.shape[:axis]) != 1:
-            return None  # the logical elements are no prefix of the padded ones
+        if type(view) is not View or math.prod(grown.shape[:axis]) != 1:
+            return None  # a dtype view, or logical elements that are no prefix of the padded ones
         return _viewed(t, grown, axis, storage.extent, 0)
     if type(view) is not View or type(storage) is not Storage:
         return None
@@ -114,7 +114,7 @@ def _rows(view, storage_shape):
     inner = math.prod(storage_shape[1:])
     if inner == 0:
         return None
-    last = view.offset + sum((n - 1) * abs(st) for n, st in zip(view.shape, view.stride))
+    last = view.offset + sum((n - 1) * st for n, st in zip(view.shape, view.stride))
     start, end = view.offset // inner, last // inner + 1
     if start == 0 and end == storage_shape[0]:
         return None
@@ -167,6 +167,8 @@ def _pointwise(func, args, kwargs):
     if any(type(v) is TpuTensor for v in kwargs.values()):
         return NotImplemented
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return NotImplemented
     ndim = max(args[i].dim() for i in tensors)
     new, found = list(args), None
     for i in tensors:
