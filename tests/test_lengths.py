@@ -209,3 +209,17 @@ def test_pointwise_ops_on_padded_rows_give_opinfo_samples_cpu_values():
             ran += 1
             padded += isinstance(got, torch.Tensor) and type(got._storage) is GrownStorage
     assert ran > 120 and padded > 100, (ran, padded)  # (133 and 122 samples when written)
+
+
+def test_lengths_off_pads_nothing(monkeypatch):
+    from torchtpu.dispatch import lengths
+    monkeypatch.setattr(lengths, "ENABLED", False)
+    data = torch.randn(40, 3)
+    dt = data.to("tpu")
+    for i, n in enumerate([5, 9, 7]):
+        y = dt[i:i + n] * 2
+        assert type(y._storage) is not GrownStorage
+        assert_same(y.sum(0), (data[i:i + n] * 2).sum(0))
+    items = [t.to("tpu") for t in torch.randn(12, 2)]
+    for k in [9, 11]:
+        assert type(torch.stack(items[:k])._storage) is not GrownStorage

@@ -31,6 +31,8 @@ is read from the padded array when the padded dim is the outermost one the
 view's largest-stride dim spans, in whole. Any other op, and any view that
 cuts into the padded dim, reads the exact array, cut from the padded one: the
 same values, compiled per length (the advisor names the line).
+
+TORCHTPU_LENGTHS=off (ENABLED) pads no slice and no stack.
 """
 import math
 import typing
@@ -38,6 +40,7 @@ import weakref
 
 import torch
 
+from .. import config
 from ..ops import LOWERINGS
 from ..tensor import GrownStorage, Storage, TpuTensor, View, make_view, view_tensor, whole_tensor
 from .core import _run_lowered, dispatch, plan_of
@@ -46,6 +49,7 @@ from .plans import PADDED, SPECIAL
 
 from ..compat import aten
 
+ENABLED = config.LENGTHS.on()
 PAD_MIN = 8
 
 # Storage -> the row count of the last slice of it that a new kernel read;
@@ -90,7 +94,7 @@ def operand(t):
         if type(view) is not View or math.prod(grown.shape[:axis]) != 1:
             return None  # a dtype view, or logical elements that are no prefix of the padded ones
         return _viewed(t, grown, axis, storage.extent, 0)
-    if type(view) is not View or type(storage) is not Storage:
+    if type(view) is not View or type(storage) is not Storage or not ENABLED:
         return None
     rows = _rows(view, t._key[1])
     if rows is None:
@@ -366,7 +370,7 @@ def _stack(tensors, dim=0):
     zeros, a bucket of them, so that one kernel serves the bucket."""
     plan = plan_of(aten.stack.default)
     first = tensors[0] if len(tensors) else None
-    if (type(first) is not TpuTensor or dim != 0 or first.dim() == 0
+    if (not ENABLED or type(first) is not TpuTensor or dim != 0 or first.dim() == 0
             or any(type(t) is not TpuTensor or t.shape != first.shape or t.dtype != first.dtype
                    or t._storage.device != first._storage.device for t in tensors)):
         return _run_lowered(plan, (tensors, dim), {})
