@@ -224,14 +224,16 @@ def jit(fn, name=None, donate_argnums=(), device=0):
     """Compile fn through JAX (lazily, at its first call); the disk tier is
     JAX's persistent cache. donate_argnums: arguments whose buffers the
     computation may reuse for its results (the caller's are invalidated).
-    device: the index of the device it runs on. Off device 0 its results are
-    placed there (JAX would put a factory's on its default device, device 0)."""
+    device: the index of the device it runs on. Its results are placed there,
+    committed to it: JAX would put a factory's on its default device,
+    uncommitted, and a kernel later given a committed array in its place
+    would compile again. None: where its inputs are (a reader's)."""
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
-    if device:
-        from . import runtime
-        return jax.jit(fn, donate_argnums=donate_argnums, out_shardings=runtime.SHARDINGS[device])
-    return jax.jit(fn, donate_argnums=donate_argnums)
+    if device is None:
+        return jax.jit(fn, donate_argnums=donate_argnums)
+    from . import runtime
+    return jax.jit(fn, donate_argnums=donate_argnums, out_shardings=runtime.SHARDINGS[device])
 
 
 # ---- stored executables and kernel records -------------------------------------

@@ -19,12 +19,13 @@ def to_tpu(t, non_blocking=False, device=0):
 
 @functools.lru_cache(maxsize=None)
 def _reader(view):
-    return cache.jit(lambda arr: read_view(arr, view), name="tpu_read_view")
+    return cache.jit(lambda arr: read_view(arr, view), name="tpu_read_view", device=None)
 
 
 @functools.lru_cache(maxsize=None)
 def _reader_at(view):
-    return cache.jit(lambda arr, offset: read_view_at(arr, view, offset), name="tpu_read_view")
+    return cache.jit(lambda arr, offset: read_view_at(arr, view, offset), name="tpu_read_view",
+                     device=None)
 
 
 def device_array(t, reason="read"):

@@ -383,11 +383,8 @@ def _stack(tensors, dim=0):
     _stacked[kind] = True if seen is True or seen != n else n
     if _stacked[kind] is not True:
         return _run_lowered(plan, (tensors, dim), {})
-    # Zeros of their own storages, so the kernel's key is the bucket's whatever
-    # n. Made from first, not by zeros_like: its arrays are not committed to a
-    # device, and a kernel jitted without the disk cache compiles again when
-    # committed arrays take their places.
-    zeros = [_masked(first, 0, 0) for _ in range(bucket(n) - n)]
+    # Zeros of their own storages, so the kernel's key is the bucket's whatever n.
+    zeros = [dispatch(aten.zeros_like.default, (first,), {}) for _ in range(bucket(n) - n)]
     out = _run_lowered(plan, (list(tensors) + zeros, 0), {})
     return grown_tensor(out, 0, n, out.dtype)
 
