@@ -277,7 +277,9 @@ def _to_copy(func, args, kwargs):
 def _cat(func, args, kwargs):
     """torch.cat along another dim than the padded one (growth's cat calls it
     for tensors of one shape but along dim)."""
-    tensors, dim = args
+    tensors, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not tensors:
+        return NotImplemented
     found = [operand(t) for t in tensors]
     if any(o is None for o in found) or len({(o.dim, o.extent, o.capacity) for o in found}) != 1:
         return NotImplemented
@@ -314,6 +316,8 @@ def _nll_inputs(x, target, ignore_index):
 
 
 def _nll_loss(func, args, kwargs):
+    if len(args) != 5:
+        return NotImplemented
     x, target, weight, reduction, ignore_index = args
     found = _nll_inputs(x, target, ignore_index) if not kwargs else None
     if found is None or operand(weight) is not None:
@@ -326,6 +330,8 @@ def _nll_loss(func, args, kwargs):
 
 
 def _nll_loss_backward(func, args, kwargs):
+    if len(args) != 7:
+        return NotImplemented
     grad, x, target, weight, reduction, ignore_index, total = args
     found = _nll_inputs(x, target, ignore_index) if not kwargs else None
     if found is None or operand(weight) is not None:
@@ -349,6 +355,8 @@ def _embedding(func, args, kwargs):
 
 
 def _embedding_backward(func, args, kwargs):
+    if len(args) != 5:
+        return NotImplemented
     grad, indices, num_weights, padding_idx, scale_grad_by_freq = args
     og, oi = operand(grad), operand(indices)
     if og is None or oi is None or kwargs or scale_grad_by_freq or og.dim != oi.dim or not _same(og, oi):
