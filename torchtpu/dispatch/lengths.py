@@ -234,21 +234,28 @@ def _addmm(func, args, kwargs):
     return out if place is None else _result(out, *place)
 
 
+def _reduced(func, x, o, args, kwargs):
+    """(the dims a sum or mean reduces x over, keepdim, and the padded dim's
+    place in its result: None when it is one of them)."""
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    if func in (aten.sum.default, aten.mean.default) or not dims:
+        dims = set(range(x.dim()))
+    else:
+        dims = {d % x.dim() for d in dims}
+    if o.dim in dims:
+        return dims, keepdim, None
+    return dims, keepdim, o.dim if keepdim else o.dim - sum(1 for d in dims if d < o.dim)
+
+
 def _sum(func, args, kwargs):
-    x = args[0]
-    o = operand(x)
+    o = operand(args[0])
     if o is None:
         return NotImplemented
     out = dispatch(func, (o.padded, *args[1:]), kwargs)
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    if func is aten.sum.default or not dims:
-        return out  # over every dim: the zeros add nothing
-    dims = {d % max(x.dim(), 1) for d in dims}
-    if o.dim in dims:
-        return out
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    at = o.dim if keepdim else o.dim - sum(1 for d in dims if d < o.dim)
-    return _result(out, at, o.extent, mask=False)  # sums of zeros are zeros
+    at = _reduced(func, args[0], o, args, kwargs)[2]
+    # Over the padded dim the zeros add nothing; sums of zeros are zeros.
+    return out if at is None else _result(out, at, o.extent, mask=False)
 
 
 def _mean(func, args, kwargs):
@@ -256,12 +263,8 @@ def _mean(func, args, kwargs):
     o = operand(x)
     if o is None or not (x.is_floating_point() or x.is_complex() or kwargs.get("dtype")):
         return NotImplemented  # (CPU's error for an integer mean, from the exact path)
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    dims = set(range(x.dim())) if func is aten.mean.default or not dims else {
-        d % max(x.dim(), 1) for d in dims}
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    if o.dim not in dims:  # means of zeros are zeros
-        at = o.dim if keepdim else o.dim - sum(1 for d in dims if d < o.dim)
+    dims, keepdim, at = _reduced(func, x, o, args, kwargs)
+    if at is not None:  # means of zeros are zeros
         return _result(dispatch(func, (o.padded, *args[1:]), kwargs), at, o.extent, mask=False)
     # Over the padded dim: the padded sum (the zeros add nothing) over the true count.
     total = dispatch(aten.sum.dim_IntList, (o.padded, sorted(dims), keepdim), {"dtype": kwargs.get("dtype")})

@@ -425,7 +425,6 @@ def mask_past(x, dim, extent, fill):
 
 @lower(torch.ops.torchtpu.read_rows.default)
 def read_rows(src, start, count, rows):
-    valid = jnp.arange(rows) < count
-    index = jnp.where(valid, start + jnp.arange(rows), 0)
-    out = jnp.take(src, index, axis=0, mode="clip")
-    return jnp.where(_before(count, rows, 0, src.ndim), out, jnp.zeros((), src.dtype))
+    valid = _before(count, rows, 0, src.ndim)
+    index = jnp.where(valid.reshape(rows), start + jnp.arange(rows), 0)
+    return jnp.where(valid, jnp.take(src, index, axis=0, mode="clip"), jnp.zeros((), src.dtype))
