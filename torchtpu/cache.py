@@ -134,9 +134,13 @@ def _on_event(event, **kwargs):
         metrics.M.disk_cache_hits += 1
         LOOKUPS["hits"] += 1
         _tl.disk_hit = True
-    elif event == "/jax/compilation_cache/cache_misses":
-        metrics.M.disk_cache_misses += 1
-        LOOKUPS["misses"] += 1
+    elif event == "/jax/compilation_cache/cache_misses" and not getattr(_tl, "bypass", False):
+        _count_disk_miss()  # (torchtpu's own records count theirs in _compile)
+
+
+def _count_disk_miss():
+    metrics.M.disk_cache_misses += 1
+    LOOKUPS["misses"] += 1
 
 
 def _on_duration(event, duration, **kwargs):
@@ -383,15 +387,18 @@ def _load_executable(header, rest, device):
 
 def _compile(fn, name, key, args, donate_argnums, device):
     """fn compiled for args, its module named after its record's key, past
-    JAX's own disk entries (the record holds the executable). JAX still
-    counts the miss and the compilation."""
+    JAX's own disk entries (the record holds the executable), which JAX
+    then neither serializes nor writes. JAX counts the compilation; the
+    disk miss is counted here."""
     jitted = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device)
     _tl.bypass = True
     try:
-        with profiling.span(lambda: f"torchtpu compile {name}"):
-            return jitted.lower(*args).compile()
+        with profiling.span(lambda: f"torchtpu compile {name}"), compat.no_jax_cache_write():
+            compiled = jitted.lower(*args).compile()
     finally:
         _tl.bypass = False
+    _count_disk_miss()
+    return compiled
 
 
 def _read(disk, key):

@@ -70,6 +70,18 @@ def traceback_filtering(value):
     return setting(value)
 
 
+def no_jax_cache_write():
+    """A context manager under which JAX writes no persistent cache entry
+    for what this thread compiles (a no-op where this JAX keeps the setting
+    elsewhere). JAX serializes and compresses an executable before its cache
+    store sees it: for a small kernel, twice the compile's own time."""
+    try:
+        from jax._src.config import persistent_cache_min_compile_time_secs as setting
+    except ImportError:
+        return contextlib.nullcontext()
+    return setting(float("inf"))
+
+
 def compilation_cache():
     """(JAX's compilation_cache module, its CacheInterface class), or
     (None, object) where this JAX has neither: the disk cache then holds
