@@ -266,7 +266,7 @@ class _Flags:
     """One device's flags: the merged flag of the checked ops issued there
     since the last check (a Storage: fused mode materializes what one
     holds), the one debug mode passes (it checked on the host; its flag is
-    dropped), and the positions in _unread of the ops merged into it."""
+    dropped), and the positions in unread of the ops merged into it."""
     __slots__ = ("running", "idle", "blank", "positions")
 
     def __init__(self, index):
@@ -306,32 +306,36 @@ class _Check:
         self.where = where
 
 
-_unread = []  # _Check per op merged into a `running` flag, in issue order
-# id(storage) -> (weak reference to it, the unread checks its value depends
-# on: bit k for _unread[k]); empty whenever no flag is unread. An entry whose
-# storage died stays until then (its id may be reused: the reference tells).
-tainted = {}
-# Entries at which the flag is read (a loop that never syncs).
-MAX_TAINTED = 100_000
+unread = []  # _Check per op merged into a `running` flag, in issue order
+# Each storage's `marks`: (generation, bits), the unread checks its value
+# depends on (bit k for unread[k]), current while the generation is. Reading
+# the flags starts a new generation, every mark then stale at once. _marked
+# holds a weak reference to each storage marked in this generation (what a
+# failed check marks Lost).
+_generation = 0
+_marked = []
+# Marked storages at which the flags are read (a loop that never syncs).
+MAX_MARKED = 100_000
 
 
 def _taint(storages, deps):
+    gen = _generation
     for s in storages:
-        key = id(s)
-        old = tainted.get(key)
-        if old is not None and old[0]() is s:
-            if deps | old[1] != old[1]:
-                tainted[key] = (old[0], old[1] | deps)
-        else:
-            tainted[key] = (weakref.ref(s), deps)
+        m = s.marks
+        if m is None or m[0] != gen:
+            s.marks = (gen, deps)
+            _marked.append(weakref.ref(s))
+        elif deps | m[1] != m[1]:
+            s.marks = (gen, m[1] | deps)
 
 
 def _deps(storages):
     deps = 0
+    gen = _generation
     for s in storages:
-        entry = tainted.get(id(s))
-        if entry is not None and entry[0]() is s:
-            deps |= entry[1]
+        m = s.marks
+        if m is not None and m[0] == gen:
+            deps |= m[1]
     return deps
 
 
@@ -346,17 +350,17 @@ def note(bound, func, flag, inputs, produced, frame, device=0):
     depends on it and on what its inputs depend on."""
     f = _flags_of(device)
     f.running.assign(flag)
-    f.positions.append(len(_unread))
-    _taint(produced, _deps(inputs) | (1 << len(_unread)))
-    _unread.append(_Check(bound, func, errors.user_site(frame)))
-    if len(_unread) >= MAX_UNREAD:
+    f.positions.append(len(unread))
+    _taint(produced, _deps(inputs) | (1 << len(unread)))
+    unread.append(_Check(bound, func, errors.user_site(frame)))
+    if len(unread) >= MAX_UNREAD:
         check()
 
 
 def unread_checks():
     """The checked ops noted and not read yet, oldest first (graph capture
     keeps the ones its region recorded, for note_replayed)."""
-    return tuple(_unread)
+    return tuple(unread)
 
 
 def note_replayed(checks, flag, inputs, produced, device=0):
@@ -366,11 +370,11 @@ def note_replayed(checks, flag, inputs, produced, device=0):
     and on what its inputs depend on. One call per replay, not per op."""
     f = _flags_of(device)
     f.running.assign(flag)
-    first = len(_unread)
+    first = len(unread)
     f.positions.extend(range(first, first + len(checks)))
     _taint(produced, _deps(inputs) | (((1 << len(checks)) - 1) << first))
-    _unread.extend(checks)
-    if len(_unread) >= MAX_UNREAD:
+    unread.extend(checks)
+    if len(unread) >= MAX_UNREAD:
         check()
 
 
@@ -380,7 +384,7 @@ def propagate(inputs, produced):
     deps = _deps(inputs)
     if deps:
         _taint(produced, deps)
-        if len(tainted) > MAX_TAINTED:
+        if len(_marked) > MAX_MARKED:
             check()
 
 
@@ -390,14 +394,14 @@ def check():
     """Read the running flags once the ops merged into them have run (one
     small transfer per device that ran checked ops); raise the first
     out-of-range index, after marking what depends on a bad op Lost."""
-    if not _unread:
+    if not unread:
         return
     used = [f for f in _flags.values() if f.positions]
     if any(type(f.running.array) is Pending for f in used):
         return
     flags = [(f, jax.device_get(f.running.array)) for f in used]
-    checks = _unread[:]
-    del _unread[:]
+    checks = unread[:]
+    del unread[:]
     failed, first = 0, None
     for f, flag in flags:
         positions, f.positions = f.positions, []
@@ -411,7 +415,7 @@ def check():
         if first is None or positions[k] < first[0]:
             first = (positions[k], flag)
     if first is None:
-        tainted.clear()
+        _new_generation()
         return
     position, flag = first
     bad = checks[position]
@@ -419,16 +423,23 @@ def check():
     err = out_of_range(bad.bound, bad.func, line, int(flag[3]), int(flag[5]),
                        int(flag[6]), int(flag[4]))
     _mark_lost(failed, err)
-    tainted.clear()
+    _new_generation()
     raise err
+
+
+def _new_generation():
+    global _generation
+    _generation += 1
+    _marked.clear()
 
 
 def _mark_lost(failed, err):
     """Storages whose value depends on a failed check (a bit of `failed`)
     hold Lost(err)."""
-    for ref, deps in list(tainted.values()):
+    gen = _generation
+    for ref in _marked:
         s = ref()
-        if s is None or not deps & failed:
+        if s is None or s.marks[0] != gen or not s.marks[1] & failed:
             continue
         arr = s.array
         if type(arr) is not Lost:

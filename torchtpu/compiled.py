@@ -279,7 +279,7 @@ def traced_ops(device, flag_in):
 def _forget_checks(first, device):
     """Drop the index checks the trace noted (bounds keeps them per call of
     the kernel instead, through note_replayed): they ran on tracers."""
-    del bounds._unread[first:]
+    del bounds.unread[first:]
     f = bounds._flags_of(device)
     f.positions = [p for p in f.positions if p < first]
 

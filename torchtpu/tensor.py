@@ -103,11 +103,13 @@ def record_creation_lines(on):
 class Storage:
     """The shared data of a tensor and its views: a JAX array (a Pending or
     Lost value) on device tpu:`device`."""
-    __slots__ = ("array", "device", "__weakref__")
+    # marks: the unread index checks its value depends on (torchtpu.bounds).
+    __slots__ = ("array", "device", "marks", "__weakref__")
 
     def _init(self, array, device=0):
         self.array = array
         self.device = device
+        self.marks = None
         if type(array) is Pending:
             array.owner = weakref.ref(self)
 
@@ -149,6 +151,7 @@ class GrownStorage(Storage):
         self.extent = extent
         self.cut = cut
         self.device = grown._storage.device
+        self.marks = None
         self._exact = None
         if exact is not None:
             self._own(exact)

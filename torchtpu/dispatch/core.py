@@ -60,8 +60,7 @@ _CONTIGUOUS = {"memory_format": torch.contiguous_format}
 def _handler(plan):
     """The function dispatch() hands this op's calls to: chosen once per op."""
     if plan.special is not None:
-        special = plan.special
-        return lambda plan, args, kwargs: special(*args, **kwargs)
+        return lambda plan, args, kwargs: plan.special(*args, **kwargs)
     if plan.kind == "lower" or plan.kind == "mutate":
         return _run_lowered if plan.accepts is None else _run_accepted
     if plan.kind == "view":
@@ -106,11 +105,10 @@ def _overwrite_lost(func, args):
     failed step) and reads no other lost value: then it gets zeros to write over, to run again."""
     if func not in _OVERWRITES or type(args[0]) is not TpuTensor or args[0]._view is not None:
         return False
-    storage = args[0]._storage
-    old = storage.array
+    old = args[0]._storage.array
     if type(old) is not Lost or _lost_argument(args[1:], {}) is not None:
         return False
-    storage.assign(jnp.zeros(old.shape, old.dtype))
+    args[0]._storage.assign(jnp.zeros(old.shape, old.dtype))
     return True
 
 
@@ -263,7 +261,7 @@ def _run_lowered(plan, args, kwargs):
         advisor.note_new_kernel(plan.name, whole_shape(pos_specs))
     kernel, _, out_dtypes, orders = entry
     metrics.M.ops_dispatched += 1
-    flat = arrays
+    flat = arrays  # (then the scalars)
     ex = modes.current()
     if kernel.bound is not None:
         flag = bounds.flag_input(ex.waits_each_op, kernel.device)
@@ -283,12 +281,14 @@ def _run_lowered(plan, args, kwargs):
         outs, new_storages = ex.run_checked(kernel, flat, storages, plan, args, kwargs, host_values)
     else:
         outs, new_storages = ex.run(kernel, flat, storages)
-    if kernel.bound is not None or bounds.tainted:
+    plain = plan.kind != "mutate" and kernel.out_tree is ... and orders is None and out_dtypes is not None
+    if kernel.bound is not None or (bounds.unread and not plain):
         return _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs)
-    if plan.kind != "mutate" and kernel.out_tree is ... and orders is None and out_dtypes is not None:
-        # The common case, one plain result, without the general wrapping.
-        o = outs[0]
-        return whole_tensor(Storage(o, kernel.device), o.shape, out_dtypes[0])
+    if plain:  # The common case, one plain result, without the general wrapping.
+        out = Storage(outs[0], kernel.device)
+        if bounds.unread:  # (what it holds depends on what its inputs depend on)
+            bounds.propagate(storages, (out,))
+        return whole_tensor(out, outs[0].shape, out_dtypes[0])
     return _results(plan, entry, outs, new_storages, storages, args, kwargs)
 
 
