@@ -46,9 +46,10 @@ def run(device):
         out["extra"] = torch.cumprod(x[:, :3] + 0.5, 0).cpu().tolist()
     return out
 
-result = run("tpu")
+result = run(os.environ.get("DEVICE", "tpu"))
 result["cpu"] = run("cpu")
 result["stats"] = torchtpu.cache.stats()
+result["run_first_met"] = torchtpu.metrics.snapshot().get("run_first_met", 0)
 result["fallbacks"] = torchtpu.metrics.snapshot()["cpu_fallbacks"]
 print("RESULT " + json.dumps(result))
 '''
@@ -210,6 +211,22 @@ def test_warm_start_compiles_nothing(script, tmp_path, mode):
         assert 0 < s3["compilations"] == s3["disk_misses"]
         assert _snapshot(d) == before
         _same(cold, ro)
+
+
+@pytest.mark.parametrize("device", ["tpu:0", "tpu:1"])
+def test_fused_graphs_met_first_run_op_by_op_with_stored_kernels(script, tmp_path, device):
+    # A graph met for the first time runs op by op: each new kernel is
+    # compiled from the trace the recorder made of it (for its device) and
+    # stored; a warm start loads them all.
+    d = tmp_path / "cache"
+    cold = _run(script, d, "fused", TORCHTPU_FUSED_BACKGROUND_OPS="1", DEVICE=device)
+    assert cold["run_first_met"] > 0
+    s1 = cold["stats"]
+    assert s1["disk_kernels"] > 0 and s1["disk_misses"] == s1["compilations"]
+    warm = _run(script, d, "fused", TORCHTPU_FUSED_BACKGROUND_OPS="1", DEVICE=device)
+    s2 = warm["stats"]
+    assert s2["compilations"] == 0 and s2["kernels_loaded"] > 0
+    _same(cold, warm)
 
 
 def _records(path):

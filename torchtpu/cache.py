@@ -385,16 +385,17 @@ def _load_executable(header, rest, device):
                                                      target.client, [target])
 
 
-def _compile(fn, name, key, args, donate_argnums, device):
+def _compile(fn, name, key, args, donate_argnums, device, traced=None):
     """fn compiled for args, its module named after its record's key, past
     JAX's own disk entries (the record holds the executable), which JAX
     then neither serializes nor writes. JAX counts the compilation; the
-    disk miss is counted here."""
-    jitted = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device)
+    disk miss is counted here. traced: fn's trace for args, if made already."""
     _tl.bypass = True
     try:
         with profiling.span(lambda: f"torchtpu compile {name}"), compat.no_jax_cache_write():
-            compiled = jitted.lower(*args).compile()
+            if traced is None:
+                traced = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device).trace(*args)
+            compiled = traced.lower().compile()
     finally:
         _tl.bypass = False
     _count_disk_miss()
@@ -584,16 +585,24 @@ def _kernel_executable(disk, owner, fn, name, device, args):
             owner.out_tree = tree
             STATS.kernels_loaded += 1
             return compiled
-    compiled = _compile(fn, name, key, args, (), device)  # tracing fn sets owner.out_tree
+    traced, owner.traced = owner.traced, None
+    compiled = _compile(fn, name, key, args, (), device, traced)  # tracing fn sets owner.out_tree
     header = _trace_header(owner.out_tree, compiled.out_info)
     if header is not None:
         disk.put(key, _encode(header, compiled))
     return compiled
 
 
+def module_name(op_name):
+    """The name a per-op kernel's executables go by."""
+    return "tpu_" + "".join(c if c.isalnum() else "_" for c in op_name)
+
+
 def eval_shape_kernel(owner, args):
     """jax.eval_shape(owner.fn, *args) for a per-op kernel (fused mode's
-    abstract trace), through its record; sets owner.out_tree."""
+    abstract trace), through its record; sets owner.out_tree. Its trace is
+    kept (owner.traced): a graph met for the first time runs op by op, and
+    each new kernel's compile then lowers it instead of tracing again."""
     disk = _disk()
     if owner.stable_key is None or disk is None:
         return jax.eval_shape(owner.fn, *args)
@@ -605,7 +614,8 @@ def eval_shape_kernel(owner, args):
             avals, owner.out_tree = got
             STATS.traces_loaded += 1
             return avals
-    avals = jax.eval_shape(owner.fn, *args)
+    owner.traced = jit(owner.fn, f"{module_name(owner.name)}_{key[-16:]}", (), owner.device).trace(*args)
+    avals = owner.traced.out_info
     header = _trace_header(owner.out_tree, avals)
     if header is not None:
         disk.put(key, _encode(header))

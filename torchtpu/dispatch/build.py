@@ -18,7 +18,7 @@ class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
     __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
-                 "stable_key", "bound", "device", "specs", "nested")
+                 "stable_key", "bound", "device", "specs", "nested", "traced")
 
     def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None, device=0):
         self.name = name
@@ -40,8 +40,11 @@ class Kernel:
         self.specs = None
         # jax.jit(fn), called inside a fused graph's trace (modes/graph.py)
         self.nested = None
+        # fn's trace from fused mode's abstract evaluation, lowered by its
+        # compile (if one comes) rather than tracing fn again (cache.py).
+        self.traced = None
         # Loaded from its record or compiled, at its first call.
-        self.jitted = cache.jit_kernel(self, fn, _kernel_name(name), device)
+        self.jitted = cache.jit_kernel(self, fn, cache.module_name(name), device)
 
 
 class KernelEntry(typing.NamedTuple):
@@ -50,10 +53,6 @@ class KernelEntry(typing.NamedTuple):
     out_meta: object    # PyTorch's meta results: (leaves, tree), or None
     out_dtypes: tuple   # the results' torch dtypes, or None
     orders: list        # each result's memory order (physical_order), or None
-
-
-def _kernel_name(name):
-    return "tpu_" + "".join(c if c.isalnum() else "_" for c in name)
 
 
 def _materialize(spec, arrays, scalars, offsets):

@@ -368,6 +368,8 @@ class FusedExecutor(StrictExecutor):
             except Exception as e:
                 results = self._recover(g, live, live_refs, site, e)
         self._last = results
+        if entry is None:
+            graph.drop_traces(g)
         for (p, owner), value in zip(live, results):
             owner.array = value
         checks.after_flush(g, results)  # NaN/Inf checks name the op and line

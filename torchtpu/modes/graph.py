@@ -10,7 +10,7 @@ import typing
 
 import jax
 
-from .. import cache, config, metrics
+from .. import cache, config, metrics, runtime
 from .refs import Fenced, Input, Result, Scalar, arguments, results
 
 
@@ -172,9 +172,19 @@ def abstract(kernel, flat):
     lowering's errors at the user's line rather than at the next flush."""
     avals = kernel.avals
     if avals is None:
-        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x for x in flat]
+        placed = runtime.SHARDINGS[kernel.device]  # (a kept trace is compiled for its device)
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed) if hasattr(x, "shape") else x
+                 for x in flat]
         avals = kernel.avals = cache.eval_shape_kernel(kernel, specs)  # (through its record)
     return avals
+
+
+def drop_traces(g):
+    """Forget the traces abstract() left on g's new kernels (cache.py): what
+    g's run did not compile op by op is compiled within graphs, if at all."""
+    for kernel, _ in g.nodes:
+        if getattr(kernel, "traced", None) is not None:
+            kernel.traced = None
 
 
 def call_traced(kernel, args):
