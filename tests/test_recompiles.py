@@ -389,6 +389,47 @@ def test_a_step_longer_than_the_fused_limit_makes_the_same_graphs_each_step(monk
         torch.testing.assert_close(a, b)
 
 
+def test_a_step_longer_than_the_fused_limit_without_an_optimizer_makes_the_same_graphs(monkeypatch):
+    """A loop that updates its parameters by hand (pytorch/examples' word
+    language model) has no optimizer step to flush at: a step cut at the
+    limit is flushed at the end of its backward pass instead, so the cuts
+    fall at the same ops every step and nothing new compiles or falls back
+    to op by op after the first steps."""
+    from torchtpu.modes.fused import STATS
+    monkeypatch.setenv("TORCHTPU_FUSE_MAX_OPS", "45")
+    monkeypatch.setenv("TORCHTPU_FUSED_COMPILE", "sync")
+
+    def train(device, steps, counts=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                              nn.Linear(16, 3)).to(device)
+        g = torch.Generator().manual_seed(2)
+        x, y = torch.randn(8, 6, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)
+        losses = []
+        for _ in range(steps):
+            model.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+            losses.append(loss.item())
+            if counts is not None:
+                counts.append(_compilations())
+        return losses, [p.detach().to("cpu") for p in model.parameters()]
+
+    counts = []
+    torchtpu.metrics.reset()
+    with torchtpu.eager_mode("fused"):
+        got = train("tpu", 12, counts)
+    assert counts[-1] == counts[3], counts
+    assert STATS.fused_fallbacks == 0 and STATS.flushes["step_boundary"] >= 10
+    want = train("cpu", 12)
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]))
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+
+
 def test_tiered_flush_switches_to_the_graph_ready_half_way(tiered, monkeypatch):
     """The graph's compilation finishes while its ops run one by one: the
     rest of the flush is the graph's, from the same inputs."""

@@ -128,6 +128,7 @@ class FusedExecutor(StrictExecutor):
         self._debug = config.FUSE_DEBUG.on()
         self._limit = max_ops()
         self._cut = False       # the pending graph follows a cut at the limit
+        self._backward_hooked = False  # the backward pass under way flushes at its end
         self._step_hook = None  # flushing at the optimizer's step after such a cut
 
     # -- recording ---------------------------------------------------------
@@ -168,6 +169,9 @@ class FusedExecutor(StrictExecutor):
                 g.scalars.append(x)
         outs_aval, written_aval = kernel.avals or graph.abstract(kernel, flat)
         if _graph_task_id() != -1:
+            if self._cut and not self._backward_hooked:
+                self._backward_hooked = True
+                _engine.queue_callback(self._after_backward)
             # In a backward pass: a forward op that checkpointing recomputes
             # (grad mode is on only then) reads its inputs through a fence.
             if torch.is_grad_enabled():
@@ -205,14 +209,23 @@ class FusedExecutor(StrictExecutor):
 
     def _cut_at_limit(self):
         """A step longer than the limit is cut there; its next flush is at
-        the optimizer's step, so that the cuts fall at the same ops every
-        step (else they drift, and each step makes new graphs)."""
+        the end of the backward pass or at the optimizer's step, whichever
+        comes first, so that the cuts fall at the same ops every step (else
+        they drift, and each step makes new graphs). A loop that updates its
+        parameters by hand has no optimizer step."""
         self._cut = True
         if self._step_hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
             self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
 
     def _after_optimizer_step(self, optimizer, args, kwargs):
+        self._at_step_boundary()
+
+    def _after_backward(self):
+        self._backward_hooked = False
+        self._at_step_boundary()
+
+    def _at_step_boundary(self):
         if self._cut and self._graph.nodes and not torch.compiler.is_compiling():
             self._cut = False
             self.flush("step_boundary")
@@ -474,3 +487,4 @@ class FusedExecutor(StrictExecutor):
 
 
 _graph_task_id = torch._C._current_graph_task_id
+_engine = torch.autograd.Variable._execution_engine
