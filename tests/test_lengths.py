@@ -49,17 +49,24 @@ def test_ops_on_slices_of_varying_length_equal_cpu(mode):
             assert ruled[0]._storage.grown.shape[0] == 16
 
 
-def _train(device, lengths, model, loss_fn, batch=4, vocab=50):
-    """SGD on batches sliced at a moving offset, of lengths from lengths;
-    returns losses, compilations per step and the final parameters."""
+def _train(device, lengths, model, loss_fn, batch=4, vocab=50, uploaded=False):
+    """SGD on batches sliced at a moving offset, of lengths from lengths (of
+    data on the device, or uploaded: sliced on the host, their length marked
+    dynamic, then moved); returns losses, compilations per step and the
+    final parameters."""
     torch.manual_seed(0)
     model = model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    data = torch.randint(0, vocab, (600, batch), generator=torch.Generator().manual_seed(0)).to(device)
+    data = torch.randint(0, vocab, (600, batch), generator=torch.Generator().manual_seed(0))
+    data = data if uploaded else data.to(device)
     losses, compiled, i = [], [], 0
     for n in lengths:
         before = _compilations()
         x, y = data[i:i + n], data[i + 1:i + 1 + n].reshape(-1)
+        if uploaded:
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(y, 0)
+            x, y = x.to(device), y.to(device)
         loss = loss_fn(model, x, y)
         opt.zero_grad()
         loss.backward()
@@ -96,6 +103,50 @@ def test_training_on_varying_lengths_equals_cpu_and_compiles_per_bucket(mode):
     assert losses == pytest.approx(cpu_losses, rel=1e-5)
     assert_same(params, cpu_params)
     assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
+
+
+def test_batches_uploaded_with_their_length_marked_dynamic_compile_per_bucket(mode):
+    # Token ids and targets sliced on the host, each step at a new length,
+    # marked dynamic (as for torch.compile), then moved: uploaded padded.
+    lengths = WARM + [31, 20, 29, 22, 19, 32]
+    cpu_losses, _, cpu_params = _train("cpu", lengths, _Tagger, _tagger_loss, uploaded=True)
+    losses, compiled, params = _train("tpu", lengths, _Tagger, _tagger_loss, uploaded=True)
+    assert losses == pytest.approx(cpu_losses, rel=1e-5)
+    assert_same(params, cpu_params)
+    assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
+
+
+def _marked(t, *dims):
+    for d in dims:
+        torch._dynamo.mark_dynamic(t, d)
+    return t
+
+
+def test_uploads_padded_only_along_a_marked_dim(mode):
+    for n in [5, 9, 7]:
+        src = torch.arange(n * 3.0).reshape(n, 3) - 4
+        t = _marked(src.clone(), 0).to("tpu")
+        assert type(t._storage) is GrownStorage
+        assert_same([t, t.sum(0), t * 2, t[-1], t.t()], [src, src.sum(0), src * 2, src[-1], src.t()])
+        t.add_(1)  # a write: its values, padded or not
+        t[0] = 9
+        want = src + 1
+        want[0] = 9
+        assert_same(t, want)
+        # Along another dim (batch-first): the same values.
+        u = _marked(src.t().contiguous(), 1).to("tpu")
+        assert type(u._storage) is GrownStorage
+        assert_same([u, u.sum(1), u.softmax(0), u.reshape(-1)], [src.t(), src.t().sum(1), src.t().softmax(0),
+                                                                   src.t().reshape(-1)])
+        # Not marked, or two dims marked: uploaded as they are.
+        assert type(src.to("tpu")._storage) is not GrownStorage
+        assert type(_marked(src.clone(), 0, 1).to("tpu")._storage) is not GrownStorage
+        # Into a tensor a view of which exists: it keeps its storage, the view sees the data.
+        buf = torch.empty(n, 3, device="tpu")
+        view = buf[1:]
+        buf.copy_(_marked(src.clone(), 0))
+        assert type(buf._storage) is not GrownStorage
+        assert_same(view, src[1:])
 
 
 class _LanguageModel(nn.Module):
@@ -223,3 +274,4 @@ def test_lengths_off_pads_nothing(monkeypatch):
     items = [t.to("tpu") for t in torch.randn(12, 2)]
     for k in [9, 11]:
         assert type(torch.stack(items[:k])._storage) is not GrownStorage
+    assert type(_marked(torch.arange(6), 0).to("tpu")._storage) is not GrownStorage

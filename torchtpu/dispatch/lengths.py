@@ -1,6 +1,7 @@
 """Bounded dynamism for lengths that vary from step to step: a batch of rows
 sliced from data on the device at a new length each step (`data[i:i + n]`
-with n varying, a last short batch), and the tensors computed from it.
+with n varying, a last short batch), a batch uploaded from the host with a
+dim marked dynamic (marked_upload), and the tensors computed from them.
 Without it every op on them compiles one kernel per length (in fused mode,
 one graph per length).
 
@@ -45,6 +46,7 @@ from ..ops import LOWERINGS
 from ..tensor import GrownStorage, Storage, TpuTensor, View, make_view, view_tensor, whole_tensor
 from .core import _run_lowered, dispatch, plan_of
 from .growth import grown_tensor
+from .host import to_tpu
 from .plans import PADDED, SPECIAL
 
 from ..compat import aten
@@ -163,6 +165,19 @@ def _result(out, dim, extent, mask=True):
 
 def _same(*operands):
     return len({(o.extent, o.capacity) for o in operands}) == 1
+
+
+def _aligned(*operands):
+    """operands padded alike (to the largest capacity among them: targets
+    flattened on the host come padded as [batch * length] rows, the scores
+    for them as [length] rows of batch), or None when their extents differ."""
+    if len({o.extent for o in operands}) != 1:
+        return None
+    capacity = max(o.capacity for o in operands)
+    return [o if o.capacity == capacity else Operand(
+        dispatch(aten.constant_pad_nd.default,
+                 (o.padded, [0, 0] * (o.padded.dim() - 1 - o.dim) + [0, capacity - o.capacity], 0), {}),
+        o.dim, o.extent, capacity) for o in operands]
 
 
 # ---- the rules -----------------------------------------------------------------
@@ -309,13 +324,18 @@ def _softmax_backward(func, args, kwargs):
     return _result(dispatch(func, (og.padded, oo.padded, *args[2:]), {}), og.dim, og.extent)
 
 
-def _nll_inputs(x, target, ignore_index):
-    """(x, target) padded along the batch, the targets past the extent
-    ignored; None unless both are padded alike along it."""
+def _nll_inputs(x, target, ignore_index, *others):
+    """(x, target, *others) padded alike along the batch (others: Operands),
+    the targets past the extent ignored; None unless all are padded along
+    it to one extent."""
     ox, ot = operand(x), operand(target)
-    if ox is None or ot is None or x.dim() != 2 or ox.dim != 0 or ot.dim != 0 or not _same(ox, ot):
+    if ox is None or ot is None or x.dim() != 2 or ox.dim != 0 or ot.dim != 0:
         return None
-    return ox, _masked(ot.padded, 0, ot.extent, ignore_index)
+    found = _aligned(ox, ot, *others)
+    if found is None:
+        return None
+    ox, ot, *others = found
+    return (ox, _masked(ot.padded, 0, ot.extent, ignore_index), *others)
 
 
 def _nll_loss(func, args, kwargs):
@@ -336,15 +356,15 @@ def _nll_loss_backward(func, args, kwargs):
     if len(args) != 7:
         return NotImplemented
     grad, x, target, weight, reduction, ignore_index, total = args
-    found = _nll_inputs(x, target, ignore_index) if not kwargs else None
+    og = operand(grad) if reduction == 0 else None
+    if reduction == 0 and (og is None or og.dim != 0):
+        return NotImplemented
+    found = _nll_inputs(x, target, ignore_index, *([og] if og else [])) if not kwargs else None
     if found is None or operand(weight) is not None:
         return NotImplemented
-    ox, target = found
+    ox, target = found[:2]
     if reduction == 0:
-        og = operand(grad)
-        if og is None or og.dim != 0 or not _same(og, ox):
-            return NotImplemented
-        grad = og.padded
+        grad = found[2].padded
     out = dispatch(func, (grad, ox.padded, target, weight, reduction, ignore_index, total), {})
     return _result(out, 0, ox.extent)
 
@@ -401,6 +421,26 @@ def _stack(tensors, dim=0):
 
 
 SPECIAL[aten.stack.default] = _stack
+
+
+def marked_upload(src, host, device):
+    """The tpu tensor an upload of src (as host: its values, contiguous)
+    becomes when one dim of src is marked dynamic, as torch.compile's users
+    mark a length that varies (`torch._dynamo.mark_dynamic(batch, 0)`):
+    padded along that dim to its bucket, zeros past the length; None for
+    any other upload (as it is)."""
+    dims = getattr(src, "_dynamo_dynamic_indices", None)
+    if not dims or not ENABLED or len(dims) != 1 or src.shape != host.shape:
+        return None
+    (dim,) = dims
+    if not 0 <= dim < host.dim() or host.shape[dim] == 0:
+        return None
+    n = host.shape[dim]
+    shape = list(host.shape)
+    shape[dim] = bucket(n)
+    padded = host.new_zeros(shape)
+    padded.narrow(dim, 0, n).copy_(host)
+    return grown_tensor(to_tpu(padded, device=device), dim, n, host.dtype)
 
 for _op, _fn in LOWERINGS.items():
     if torch.Tag.pointwise in _op.tags and not _fn.random:

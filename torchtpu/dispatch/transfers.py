@@ -2,10 +2,13 @@
 into a whole storage becomes that storage's array), .to(), .item(), pinned
 memory, resize_, and the out= form of ops whose result size depends on
 values."""
+import sys
+
 import jax
 import torch
 
 from .. import modes, pinned, properties, runtime
+from . import lengths
 from ..tensor import Lost, Storage, TpuTensor
 from .core import _run_lowered, plan_of, resize
 from .host import device_array, download, to_tpu
@@ -21,12 +24,23 @@ def _copy_(dst, src, non_blocking=False):
         torch.empty(dst.shape, dtype=dst.dtype, device="meta").copy_(src.to("meta"))
         # From pinned memory, non_blocking starts the transfer and returns.
         non_blocking = non_blocking and pinned.is_pinned(src)
-        src = to_tpu(src.to(dst.dtype).expand(dst.shape).contiguous(), non_blocking,
-                     dst._storage.device)
-        if dst._view is None and type(dst._storage.array) is not Lost:
+        host = src.to(dst.dtype).expand(dst.shape).contiguous()
+        whole = dst._view is None and type(dst._storage.array) is not Lost
+        # Held by dst alone (no view of it, as .to("tpu") makes it): a dim
+        # marked dynamic comes padded, in a storage of its own.
+        padded = lengths.marked_upload(src, host, dst._storage.device) \
+            if whole and sys.getrefcount(dst._storage) == 2 else None
+        if whole:
+            modes.current().replaced(dst._storage)
+        if padded is not None:
+            dst._storage = padded._storage
+        else:
+            src = to_tpu(host, non_blocking, dst._storage.device)
+        if whole:
             # dst is its whole storage (as .to("tpu") makes it): the upload
             # becomes the storage's array, with no copy kernel.
-            dst._storage.assign(src._storage.array)
+            if padded is None:
+                dst._storage.assign(src._storage.array)
             if modes.current().waits_each_op:
                 runtime.wait_transfers()  # debug mode waits for each op
             return dst

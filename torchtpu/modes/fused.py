@@ -230,6 +230,18 @@ class FusedExecutor(StrictExecutor):
             self._cut = False
             self.flush("step_boundary")
 
+    def replaced(self, storage):
+        # The empty buffer an upload replaces is dead: unless dropped, its op
+        # stays in the graph's key (with the batch's shape, when that varies).
+        g = self._graph
+        p = storage.array
+        if type(p) is Pending and g.outputs and g.outputs[-1] is p:
+            kernel, refs = g.nodes[-1]
+            outs, written = kernel.avals
+            if len(outs) + len(written) == 1 and not refs:
+                g.nodes.pop()
+                g.outputs.pop()
+
     # -- reading -----------------------------------------------------------
     def _concrete_value(self, x):
         """x, or the array it became once flushed (x is held by a storage)."""

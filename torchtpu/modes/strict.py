@@ -28,6 +28,10 @@ class StrictExecutor:
         op's; to_host reads a tpu tensor's values on the host."""
         return checks.nan_checked_run(self, kernel, flat, storages)
 
+    def replaced(self, storage):
+        """storage's value is about to be replaced whole by an upload (the
+        empty buffer .to("tpu") makes); fused mode drops the op that made it."""
+
     def concrete(self, storage, reason="read"):
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
