@@ -50,6 +50,7 @@ result = run(os.environ.get("DEVICE", "tpu"))
 result["cpu"] = run("cpu")
 result["stats"] = torchtpu.cache.stats()
 result["run_first_met"] = torchtpu.metrics.snapshot().get("run_first_met", 0)
+result["background_compiles"] = torchtpu.metrics.snapshot().get("background_compiles", 0)
 result["fallbacks"] = torchtpu.metrics.snapshot()["cpu_fallbacks"]
 print("RESULT " + json.dumps(result))
 '''
@@ -222,7 +223,9 @@ def test_fused_graphs_met_first_run_op_by_op_with_stored_kernels(script, tmp_pat
     cold = _run(script, d, "fused", TORCHTPU_FUSED_BACKGROUND_OPS="1", DEVICE=device)
     assert cold["run_first_met"] > 0
     s1 = cold["stats"]
-    assert s1["disk_kernels"] > 0 and s1["disk_misses"] == s1["compilations"]
+    # (A graph met again compiles on the compile thread, not counted as waited for.)
+    assert s1["disk_kernels"] > 0
+    assert s1["disk_misses"] == s1["compilations"] + cold["background_compiles"]
     warm = _run(script, d, "fused", TORCHTPU_FUSED_BACKGROUND_OPS="1", DEVICE=device)
     s2 = warm["stats"]
     assert s2["compilations"] == 0 and s2["kernels_loaded"] > 0

@@ -238,9 +238,12 @@ class FusedExecutor(StrictExecutor):
         if type(p) is Pending and g.outputs and g.outputs[-1] is p:
             kernel, refs = g.nodes[-1]
             outs, written = kernel.avals
-            if len(outs) + len(written) == 1 and not refs:
+            lines = checks.FUSED_LINES  # (NaN checks' record of lines follows the nodes)
+            if len(outs) + len(written) == 1 and not refs and (not lines or lines[-1][0] is kernel):
                 g.nodes.pop()
                 g.outputs.pop()
+                if lines:
+                    lines.pop()
 
     # -- reading -----------------------------------------------------------
     def _concrete_value(self, x):
