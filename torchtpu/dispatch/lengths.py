@@ -359,7 +359,7 @@ def _nll_loss_backward(func, args, kwargs):
     og = operand(grad) if reduction == 0 else None
     if reduction == 0 and (og is None or og.dim != 0):
         return NotImplemented
-    found = _nll_inputs(x, target, ignore_index, *([og] if og else [])) if not kwargs else None
+    found = _nll_inputs(x, target, ignore_index, *(() if og is None else (og,))) if not kwargs else None
     if found is None or operand(weight) is not None:
         return NotImplemented
     ox, target = found[:2]
@@ -420,9 +420,6 @@ def _stack(tensors, dim=0):
     return grown_tensor(out, 0, n, out.dtype)
 
 
-SPECIAL[aten.stack.default] = _stack
-
-
 def marked_upload(src, host, device):
     """The tpu tensor an upload of src (as host: its values, contiguous)
     becomes when one dim of src is marked dynamic, as torch.compile's users
@@ -441,6 +438,9 @@ def marked_upload(src, host, device):
     padded = host.new_zeros(shape)
     padded.narrow(dim, 0, n).copy_(host)
     return grown_tensor(to_tpu(padded, device=device), dim, n, host.dtype)
+
+
+SPECIAL[aten.stack.default] = _stack
 
 for _op, _fn in LOWERINGS.items():
     if torch.Tag.pointwise in _op.tags and not _fn.random:

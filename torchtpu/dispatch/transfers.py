@@ -25,22 +25,20 @@ def _copy_(dst, src, non_blocking=False):
         # From pinned memory, non_blocking starts the transfer and returns.
         non_blocking = non_blocking and pinned.is_pinned(src)
         host = src.to(dst.dtype).expand(dst.shape).contiguous()
-        whole = dst._view is None and type(dst._storage.array) is not Lost
-        # Held by dst alone (no view of it, as .to("tpu") makes it): a dim
-        # marked dynamic comes padded, in a storage of its own.
-        padded = lengths.marked_upload(src, host, dst._storage.device) \
-            if whole and sys.getrefcount(dst._storage) == 2 else None
-        if whole:
-            modes.current().replaced(dst._storage)
-        if padded is not None:
-            dst._storage = padded._storage
+        if dst._view is not None or type(dst._storage.array) is Lost:
+            src = to_tpu(host, non_blocking, dst._storage.device)  # copied in below
         else:
-            src = to_tpu(host, non_blocking, dst._storage.device)
-        if whole:
             # dst is its whole storage (as .to("tpu") makes it): the upload
             # becomes the storage's array, with no copy kernel.
-            if padded is None:
-                dst._storage.assign(src._storage.array)
+            modes.current().replaced(dst._storage)
+            # Held by dst alone (no view of it): a dim marked dynamic comes
+            # padded, in a storage of its own.
+            padded = lengths.marked_upload(src, host, dst._storage.device) \
+                if sys.getrefcount(dst._storage) == 2 else None
+            if padded is not None:
+                dst._storage = padded._storage
+            else:
+                dst._storage.assign(to_tpu(host, non_blocking, dst._storage.device)._storage.array)
             if modes.current().waits_each_op:
                 runtime.wait_transfers()  # debug mode waits for each op
             return dst
