@@ -76,8 +76,8 @@ def test_value_dependent_shape_flushes(fused):
 
 
 def test_buffer_limit_flushes(fused, monkeypatch):
-    monkeypatch.setenv("TORCHTPU_FUSE_MAX_OPS", "10")
-    torchtpu.sync()  # the limit is read when a graph starts
+    torch.ones(2, device="tpu").add(1).cpu()  # (a graph flushed under the default limit)
+    monkeypatch.setenv("TORCHTPU_FUSE_MAX_OPS", "10")  # read as the next graph starts
     c = torch.zeros(4, device="tpu")
     for _ in range(25):
         c = c + 1
@@ -352,3 +352,49 @@ def test_training_step_donates_parameters_and_state(fused):
         torchtpu.sync()
     # weight and bias, their exp_avg and exp_avg_sq
     assert donated() - before == 6
+
+
+def _deep_stack_steps(device, steps, checkpointed=False):
+    """A stack of 60 Linear+Tanh blocks (a forward of over 100 ops) trained
+    with Adam: losses, final weights, and whether each loss was still
+    pending when its backward pass had run."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                 for _ in range(60)).to(device)
+    opt = torch.optim.Adam(blocks.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 8, generator=g).to(device), torch.randn(4, 8, generator=g).to(device)
+    losses, pending_after = [], []
+    for _ in range(steps):
+        h = x
+        for i, block in enumerate(blocks):
+            h = checkpoint(block, h, use_reentrant=False) if checkpointed and i % 2 else block(h)
+        loss = F.mse_loss(h, y)
+        opt.zero_grad()
+        loss.backward()
+        if device != "cpu":
+            pending_after.append(pending(loss))
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses), [p.detach().cpu() for p in blocks.parameters()], pending_after
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_long_forward_is_flushed_when_its_backward_starts(fused, monkeypatch, checkpointed):
+    """A forward of over FORWARD_FLUSH_OPS ops runs as its own graph while
+    the backward is recorded: flushed at the backward's first op, the same
+    graphs every step, and CPU's losses and weights."""
+    from torchtpu.modes.fused import STATS
+    monkeypatch.setenv("TORCHTPU_FUSED_COMPILE", "sync")
+    losses, params, pending_after = _deep_stack_steps("tpu", 6, checkpointed)
+    assert STATS.flushes.get("backward") == 6, STATS.flushes
+    assert pending_after == [False] * 6  # (each loss was in its forward's graph)
+    compiled = STATS.graphs_compiled
+    more, _, _ = _deep_stack_steps("tpu", 6, checkpointed)
+    assert STATS.graphs_compiled == compiled  # (the same graphs: nothing new compiles)
+    ref_losses, ref_params, _ = _deep_stack_steps("cpu", 6, checkpointed)
+    torch.testing.assert_close(losses, ref_losses)
+    torch.testing.assert_close(more, ref_losses)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b)

@@ -6,6 +6,11 @@ Pending values whose shape and dtype are known at once (from the kernel's
 abstract evaluation, itself cached on the kernel), so `t.shape` never forces
 execution and shape/dtype errors still raise at the user's line.
 
+A backward pass that starts after a long forward (FORWARD_FLUSH_OPS)
+flushes it at the backward's first op: the forward's graph runs on the
+device while the host records the backward, as a strict step overlaps its
+dispatch with its kernels.
+
 Liveness: a Pending is an output of the flushed graph only while a Storage
 still holds it (Pending.owner, a weak reference). Intermediates nobody holds
 are never materialized.
@@ -60,6 +65,11 @@ def max_ops():
 # run fused.
 CHURN_WINDOW = 8
 CHURN_NEW_KEYS = 6
+
+# A backward pass starting after a forward of at least this many ops flushes
+# it first: the forward's graph runs while the host records the backward (a
+# smaller one runs in about the time a flush costs).
+FORWARD_FLUSH_OPS = 100
 
 
 class _Stats:
@@ -130,11 +140,20 @@ class FusedExecutor(StrictExecutor):
         self._cut = False       # the pending graph follows a cut at the limit
         self._backward_hooked = False  # the backward pass under way flushes at its end
         self._step_hook = None  # flushing at the optimizer's step after such a cut
+        self._forward_ops = 0   # of the pending graph's ops, those recorded outside a backward pass
 
     # -- recording ---------------------------------------------------------
     def run(self, kernel, flat, storages):
         g = self._graph
         ni = len(g.nodes)
+        if not ni:
+            self._limit = max_ops()  # (read as each graph starts: a change applies from there)
+        backward = _graph_task_id() != -1
+        if backward and self._forward_ops >= FORWARD_FLUSH_OPS and not torch.compiler.is_compiling():
+            self.flush("backward")
+            flat = [self._concrete_value(x) for x in flat]
+            g = self._graph
+            ni = 0
         if ni >= self._limit or kernel.device != g.device:
             if ni:
                 # Flush before recording (a graph runs on one device): every
@@ -168,7 +187,9 @@ class FusedExecutor(StrictExecutor):
                 refs.append(SCALARS[n] if n < len(SCALARS) else numbered(SCALARS, Scalar, n))
                 g.scalars.append(x)
         outs_aval, written_aval = kernel.avals or graph.abstract(kernel, flat)
-        if _graph_task_id() != -1:
+        if not backward:
+            self._forward_ops += 1
+        else:
             if self._cut and not self._backward_hooked:
                 self._backward_hooked = True
                 _engine.queue_callback(self._after_backward)
@@ -313,10 +334,10 @@ class FusedExecutor(StrictExecutor):
     # -- flushing ----------------------------------------------------------
     def flush(self, reason):
         g = self._graph
-        self._limit = max_ops()
         if not g.nodes:
             return
         self._graph = graph.Graph()
+        self._forward_ops = 0
         self._cut = reason == "limit"  # (a sync sets the boundary, not the limit)
         live = graph.live_values(g)
         if not live and not g.collectives and not checks.nan_checks_on():

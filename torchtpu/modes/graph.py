@@ -269,16 +269,19 @@ def donation_order(g, live, donate):
             same_kind = j is not None and (p.shape, p.dtype) == (g.inputs[i].shape, g.inputs[i].dtype)
             pairs.append((i, j if same_kind else None))
     claimed = {j for _, j in pairs if j is not None}
+    unclaimed = collections.defaultdict(collections.deque)  # kind -> live indices, in order
+    for j, (p, _) in enumerate(live):
+        if j not in claimed:
+            unclaimed[(p.shape, p.dtype)].append(j)
     first, taken = [], set()
     for i, j in pairs:
         if j is None or j in taken:
-            # No successor: a live value of its kind that no input claims
-            # (donatable donates no more of a kind than there are).
-            kind = (g.inputs[i].shape, g.inputs[i].dtype)
-            j = next((j for j, (p, _) in enumerate(live)
-                      if j not in claimed and j not in taken and (p.shape, p.dtype) == kind), None)
-            if j is None:
+            # No successor: the first live value of its kind that no input
+            # claims (donatable donates no more of a kind than there are).
+            free = unclaimed.get((g.inputs[i].shape, g.inputs[i].dtype))
+            if not free:
                 continue
+            j = free.popleft()
         taken.add(j)
         first.append(live[j])
     return first + [x for j, x in enumerate(live) if j not in taken]
