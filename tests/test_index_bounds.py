@@ -227,9 +227,12 @@ def test_embedding_dense_backward_checks_rows(mode):
         torchtpu.sync()
 
 
-def _model():
+def _model(blocks=0):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3))
+    # blocks: Linear+Tanh pairs; 60 make a forward of over 100 ops, which
+    # fused mode flushes when the backward starts, before the step's read.
+    middle = [m for _ in range(blocks) for m in (torch.nn.Linear(4, 4), torch.nn.Tanh())]
+    return torch.nn.Sequential(torch.nn.Embedding(10, 4), *middle, torch.nn.Linear(4, 3))
 
 
 def _step(model, opt, tokens, target):
@@ -240,13 +243,14 @@ def _step(model, opt, tokens, target):
     return loss.item()
 
 
-def test_training_step_with_bad_token(mode):
+@pytest.mark.parametrize("blocks", [0, 60], ids=["short", "long-forward"])
+def test_training_step_with_bad_token(mode, blocks):
     """A step given an out-of-range token raises (debug: at the embedding;
     else: at loss.item()); parameters it updated are lost, restored from a
     checkpoint, and the next steps train as on CPU."""
-    cpu = _model()
+    cpu = _model(blocks)
     checkpoint = {k: v.clone() for k, v in cpu.state_dict().items()}
-    model = _model().to("tpu")
+    model = _model(blocks).to("tpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     tokens, target = torch.tensor([1, 12]), torch.tensor([0, 2])
     with pytest.raises(IndexError) as err:

@@ -19,8 +19,8 @@ of giving a garbage value, while tensors that do not depend on the bad op
 keep theirs. Debug mode checks on the host before the op runs
 (check_on_host) and records nothing here.
 """
+import gc
 import sys
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -309,13 +309,8 @@ class _Check:
 unread = []  # _Check per op merged into a `running` flag, in issue order
 # Each storage's `marks`: (generation, bits), the unread checks its value
 # depends on (bit k for unread[k]), current while the generation is. Reading
-# the flags starts a new generation, every mark then stale at once. _marked
-# holds a weak reference to each storage marked in this generation (what a
-# failed check marks Lost).
+# the flags starts a new generation, every mark then stale at once.
 _generation = 0
-_marked = []
-# Marked storages at which the flags are read (a loop that never syncs).
-MAX_MARKED = 100_000
 
 
 def _taint(storages, deps):
@@ -324,7 +319,6 @@ def _taint(storages, deps):
         m = s.marks
         if m is None or m[0] != gen:
             s.marks = (gen, deps)
-            _marked.append(weakref.ref(s))
         elif deps | m[1] != m[1]:
             s.marks = (gen, m[1] | deps)
 
@@ -337,6 +331,12 @@ def _deps(storages):
         if m is not None and m[0] == gen:
             deps |= m[1]
     return deps
+
+
+def flag_pending():
+    """Whether a flag with unread checks merged into it is still pending
+    (in fused mode's graph)."""
+    return any(f.positions and type(f.running.array) is Pending for f in _flags.values())
 
 
 def depends_on_unread(storage):
@@ -384,8 +384,6 @@ def propagate(inputs, produced):
     deps = _deps(inputs)
     if deps:
         _taint(produced, deps)
-        if len(_marked) > MAX_MARKED:
-            check()
 
 
 # ---- at sync points --------------------------------------------------------------
@@ -430,16 +428,17 @@ def check():
 def _new_generation():
     global _generation
     _generation += 1
-    _marked.clear()
 
 
 def _mark_lost(failed, err):
     """Storages whose value depends on a failed check (a bit of `failed`)
-    hold Lost(err)."""
+    hold Lost(err). They are found among all live objects: a failed check
+    is rare, while a list of the storages marked would cost every op an
+    object that lives until the flags are read (and, in a long step, the
+    garbage collector's full passes)."""
     gen = _generation
-    for ref in _marked:
-        s = ref()
-        if s is None or s.marks[0] != gen or not s.marks[1] & failed:
+    for s in gc.get_objects():
+        if not isinstance(s, Storage) or s.marks is None or s.marks[0] != gen or not s.marks[1] & failed:
             continue
         arr = s.array
         if type(arr) is not Lost:

@@ -281,6 +281,13 @@ class FusedExecutor(StrictExecutor):
             if value is not None:
                 return value
             self.flush(reason)
+        elif bounds.unread and not self._graph.collectives and bounds.flag_pending() \
+                and bounds.depends_on_unread(storage):
+            # Its value is known (its graph ran when a backward pass began),
+            # but the flag of an index check it depends on is pending: run
+            # the graph, so that the check is read here. (Not when the graph
+            # holds a collective: one rank's read may not run it.)
+            self.flush(reason)
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
