@@ -16,7 +16,7 @@ Workloads, each trained by hand as its model's usual script does:
 
 Columns: the first steps' wall time (10 steps; 24 for the LSTM runs of
 fixed and varying length; compilation included), the steady
-step (median of 5 once the background compilations are done), the seconds
+step (median of 15 once the background compilations are done), the seconds
 the program waited for compilation and those fused mode compiled in the
 background meanwhile, and the compilations (kernels + fused graphs) after
 the second step (for the varying run: all of its own).
@@ -169,7 +169,7 @@ def _worker(workload, mode):
     step()
     background_s = _background_seconds(torchtpu)
     steady = []
-    for _ in range(5):
+    for _ in range(15):
         start = time.perf_counter()
         step()
         steady.append(time.perf_counter() - start)
