@@ -400,3 +400,45 @@ def test_a_graph_flushed_on_some_ranks_only_says_how_to_avoid_it():
                                            r"rank 1: .*Call torchtpu.sync\(\) on every rank"):
         agreement._check("a fused graph", ["fused graph 1f", "fused graph 2e"], [0, 1],
                          ["flushed for item at a.py:3", "flushed for optimizer_step at a.py:9"])
+
+
+BAD_TOKEN_WORKER = textwrap.dedent("""\
+    import datetime, json, sys
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    import torchtpu
+    dist.init_process_group(timeout=datetime.timedelta(seconds=60))
+    torchtpu.set_eager_mode("fused")
+    torch.manual_seed(0)
+    # A forward of over 100 ops (what fused mode would flush when the
+    # backward starts, without collectives).
+    blocks = [m for _ in range(60) for m in (torch.nn.Linear(4, 4), torch.nn.Tanh())]
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), *blocks, torch.nn.Linear(4, 2)).to("tpu")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    target = torch.tensor([0, 1]).to("tpu")
+    report = {"losses": []}
+    for tokens in ([1, 2], [3, 4], [5, 12]):
+        loss = F.cross_entropy(ddp(torch.tensor(tokens).to("tpu")), target)
+        loss.backward()
+        for p in ddp.parameters():  # (by hand: no optimizer step to flush at)
+            p.data.add_(p.grad, alpha=-0.1)
+            p.grad = None
+        try:
+            report["losses"].append(loss.item())
+        except IndexError as e:
+            report["raised"] = str(e)
+            break
+    json.dump(report, open(sys.argv[1], "w"))
+""")
+
+
+def test_fused_ddp_step_with_a_bad_token_raises_at_its_read(tmp_path):
+    """A DDP step (its backward holds all_reduces) with a long forward,
+    parameters updated by hand and an out-of-range token raises at that
+    step's loss.item() on every rank."""
+    procs, outs = start_ranks(tmp_path, BAD_TOKEN_WORKER, 2)
+    logs = finish(procs, timeout=300)
+    for out, log in zip(outs, logs):
+        assert out.exists(), log
+        r = json.load(open(out))
+        assert len(r["losses"]) == 2, r
+        assert "index 12 is out of bounds for dimension 0 with size 10 (aten.embedding" in r.get("raised", ""), r

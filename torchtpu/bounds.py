@@ -438,7 +438,8 @@ def _mark_lost(failed, err):
     garbage collector's full passes)."""
     gen = _generation
     for s in gc.get_objects():
-        if not isinstance(s, Storage) or s.marks is None or s.marks[0] != gen or not s.marks[1] & failed:
+        # (type(), not isinstance: that reads __class__, which some objects warn on)
+        if not issubclass(type(s), Storage) or s.marks is None or s.marks[0] != gen or not s.marks[1] & failed:
             continue
         arr = s.array
         if type(arr) is not Lost:

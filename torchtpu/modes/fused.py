@@ -141,6 +141,10 @@ class FusedExecutor(StrictExecutor):
         self._backward_hooked = False  # the backward pass under way flushes at its end
         self._step_hook = None  # flushing at the optimizer's step after such a cut
         self._forward_ops = 0   # of the pending graph's ops, those recorded outside a backward pass
+        # A program that runs collectives keeps its step in one graph: a
+        # read on one rank must not run a graph that holds them, so only the
+        # step's whole graph can serve it (a side graph) with its index checks.
+        self._collectives_seen = False
 
     # -- recording ---------------------------------------------------------
     def run(self, kernel, flat, storages):
@@ -149,7 +153,8 @@ class FusedExecutor(StrictExecutor):
         if not ni:
             self._limit = max_ops()  # (read as each graph starts: a change applies from there)
         backward = _graph_task_id() != -1
-        if backward and self._forward_ops >= FORWARD_FLUSH_OPS and not torch.compiler.is_compiling():
+        if backward and self._forward_ops >= FORWARD_FLUSH_OPS and not self._collectives_seen \
+                and not torch.compiler.is_compiling():
             self.flush("backward")
             flat = [self._concrete_value(x) for x in flat]
             g = self._graph
@@ -225,6 +230,7 @@ class FusedExecutor(StrictExecutor):
         (out,), _ = self.run(kernel, [storage.array], [storage])
         g = self._graph  # the graph that took it (run may flush first)
         g.collectives += 1
+        self._collectives_seen = True
         g.mesh = mesh
         return out
 
