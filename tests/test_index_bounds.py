@@ -206,10 +206,12 @@ def test_mode_switch_raises_and_switches():
             x.cpu()
 
 
-def test_unread_flags_are_bounded(monkeypatch):
-    # A loop that never syncs reads its flags every MAX_UNREAD checked ops.
+@pytest.mark.parametrize("eager", ["strict", "fused"])
+def test_unread_flags_are_bounded(monkeypatch, eager):
+    # A loop that never syncs reads its flags every MAX_UNREAD checked ops
+    # (fused mode: their flag is pending in the graph, which runs there).
     monkeypatch.setattr(bounds, "MAX_UNREAD", 3)
-    with torchtpu.eager_mode("strict"):
+    with torchtpu.eager_mode(eager):
         x = torch.arange(5.0).to("tpu")
         x.index_select(0, torch.tensor([9]).to("tpu"))
         x.index_select(0, torch.tensor([0]).to("tpu"))

@@ -347,7 +347,9 @@ def depends_on_unread(storage):
 def note(bound, func, flag, inputs, produced, frame, device=0):
     """A checked op ran (or was recorded) on tpu:device, called from `frame`:
     `flag` merges its check into that device's running one; what it produced
-    depends on it and on what its inputs depend on."""
+    depends on it and on what its inputs depend on. True: MAX_UNREAD checks
+    are unread and their flag is pending (fused mode's graph): the caller
+    syncs, so that a loop that never reads has them read."""
     f = _flags_of(device)
     f.running.assign(flag)
     f.positions.append(len(unread))
@@ -355,6 +357,7 @@ def note(bound, func, flag, inputs, produced, frame, device=0):
     unread.append(_Check(bound, func, errors.user_site(frame)))
     if len(unread) >= MAX_UNREAD:
         check()
+    return len(unread) >= MAX_UNREAD
 
 
 def unread_checks():

@@ -276,8 +276,7 @@ def _run_lowered(plan, args, kwargs):
                                "JAX (torchtpu.jax.functionalize) pass it rng_key=, a jax.random key")
         flat.extend(key)
     if ex.waits_each_op or checks.CHECK_NANS:
-        # The executor's checks around the op: debug mode's index bounds,
-        # NaN/Inf (torchtpu.modes.checks).
+        # The executor's checks around it: debug's index bounds, NaN/Inf (modes.checks).
         outs, new_storages = ex.run_checked(kernel, flat, storages, plan, args, kwargs, host_values)
     else:
         outs, new_storages = ex.run(kernel, flat, storages)
@@ -310,7 +309,8 @@ def _run_watched(plan, entry, ex, outs, new_storages, storages, args, kwargs):
     if flag is None:
         bounds.propagate(storages, produced)
     elif not ex.waits_each_op:  # debug mode checked on the host before the op ran
-        bounds.note(kernel.bound, plan.func, flag, storages, produced, sys._getframe(1), kernel.device)
+        if bounds.note(kernel.bound, plan.func, flag, storages, produced, sys._getframe(1), kernel.device):
+            ex.sync("index checks")  # (fused mode: the flags of a loop that never reads)
     return result
 
 
