@@ -334,3 +334,21 @@ def test_sync_inside_backward_raises_from_backward(mode):
     F.embedding(torch.tensor([4]), cpu_w).sum().backward()
     F.embedding(torch.tensor([4]).to("tpu"), w).sum().backward()
     assert_same(w.grad, cpu_w.grad)
+
+
+def test_a_failed_check_passes_over_a_dead_weak_proxy(mode):
+    """A failed check finds what it marks lost among all live objects; a
+    dead weakref.proxy among them (any use of it raises ReferenceError) is
+    passed over, and the IndexError is what the user gets."""
+    import weakref
+
+    class Thing:
+        pass
+    thing = Thing()
+    proxy = weakref.proxy(thing)
+    del thing
+    x = torch.arange(5.0).to("tpu")
+    with pytest.raises(IndexError, match="index 9 is out of bounds"):
+        x.index_select(0, torch.tensor([9]).to("tpu")).cpu()
+    with pytest.raises(ReferenceError):
+        proxy.anything  # (the proxy is dead)

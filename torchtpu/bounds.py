@@ -441,8 +441,13 @@ def _mark_lost(failed, err):
     garbage collector's full passes)."""
     gen = _generation
     for s in gc.get_objects():
-        # (type(), not isinstance: that reads __class__, which some objects warn on)
-        if not issubclass(type(s), Storage) or s.marks is None or s.marks[0] != gen or not s.marks[1] & failed:
+        # type(), not isinstance: that reads __class__ (a dead weakref.proxy
+        # raises, a deprecated object warns). A storage made without its
+        # __init__ (a copy's) may have no marks.
+        if not issubclass(type(s), Storage):
+            continue
+        m = getattr(s, "marks", None)
+        if m is None or m[0] != gen or not m[1] & failed:
             continue
         arr = s.array
         if type(arr) is not Lost:
