@@ -153,19 +153,19 @@ class FusedExecutor(StrictExecutor):
         if not ni:
             self._limit = max_ops()  # (read as each graph starts: a change applies from there)
         backward = _graph_task_id() != -1
-        if backward and self._forward_ops >= FORWARD_FLUSH_OPS and not self._collectives_seen \
-                and not torch.compiler.is_compiling():
-            self.flush("backward")
-            flat = [self._concrete_value(x) for x in flat]
-            g = self._graph
-            ni = 0
-        if ni >= self._limit or kernel.device != g.device:
+        if ni >= self._limit or kernel.device != g.device or (
+                backward and self._forward_ops >= FORWARD_FLUSH_OPS and not self._collectives_seen
+                and not torch.compiler.is_compiling()):
             if ni:
-                # Flush before recording (a graph runs on one device): every
-                # earlier result is owned by now.
+                # Flush before recording (a graph runs on one device; a
+                # backward pass runs its long forward first): every earlier
+                # result is owned by now.
                 if ni >= self._limit:
                     self._cut_at_limit()
-                self.flush("limit" if ni >= self._limit else "device")
+                    reason = "limit"
+                else:
+                    reason = "device" if kernel.device != g.device else "backward"
+                self.flush(reason)
                 flat = [self._concrete_value(x) for x in flat]
                 g = self._graph
                 ni = 0
