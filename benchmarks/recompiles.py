@@ -10,6 +10,9 @@ Workloads, each trained by hand as its model's usual script does:
   vocab 512) trained with AdamW;
 - `moving slice`: an embedding + linear model over a batch sliced at a
   moving offset;
+- `gan`: pytorch/examples' DCGAN (64x64 images, 8 filters, batch 8, Adam),
+  its step as the example writes it: the discriminator on a real and a
+  fake batch, then the generator, with five reads a step;
 - `lstm varying`: the LSTM over sequences of lengths 17..64 (24 steps),
   after 24 steps at length 64 in the same process (the cost is the varying
   run's alone; "fixed" rows give the 24 steps at length 64 for reference).
@@ -34,7 +37,7 @@ sys.path.insert(0, HERE)
 
 from common import print_rows, table, worker_rows  # noqa: E402
 
-WORKLOADS = ("lstm", "gpt", "moving slice", "lstm varying")
+WORKLOADS = ("lstm", "gpt", "moving slice", "gan", "lstm varying")
 MODES = ("strict", "fused")
 
 
@@ -125,6 +128,59 @@ def _moving_slice_steps(torch, device):
     return step
 
 
+def _gan_steps(torch, device, nz=100, width=8, batch=8):
+    nn = torch.nn
+
+    def block(conv, c_out, act, norm=True):
+        return [conv, nn.BatchNorm2d(c_out), act] if norm else [conv, act]
+    w = width
+    net_g = nn.Sequential(
+        *block(nn.ConvTranspose2d(nz, w * 8, 4, 1, 0, bias=False), w * 8, nn.ReLU(True)),
+        *block(nn.ConvTranspose2d(w * 8, w * 4, 4, 2, 1, bias=False), w * 4, nn.ReLU(True)),
+        *block(nn.ConvTranspose2d(w * 4, w * 2, 4, 2, 1, bias=False), w * 2, nn.ReLU(True)),
+        *block(nn.ConvTranspose2d(w * 2, w, 4, 2, 1, bias=False), w, nn.ReLU(True)),
+        nn.ConvTranspose2d(w, 3, 4, 2, 1, bias=False), nn.Tanh()).to(device)
+    net_d = nn.Sequential(
+        *block(nn.Conv2d(3, w, 4, 2, 1, bias=False), w, nn.LeakyReLU(0.2, True), norm=False),
+        *block(nn.Conv2d(w, w * 2, 4, 2, 1, bias=False), w * 2, nn.LeakyReLU(0.2, True)),
+        *block(nn.Conv2d(w * 2, w * 4, 4, 2, 1, bias=False), w * 4, nn.LeakyReLU(0.2, True)),
+        *block(nn.Conv2d(w * 4, w * 8, 4, 2, 1, bias=False), w * 8, nn.LeakyReLU(0.2, True)),
+        nn.Conv2d(w * 8, 1, 4, 1, 0, bias=False), nn.Sigmoid()).to(device)
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    criterion = nn.BCELoss()
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(batch, 3, 64, 64, generator=g) * 2 - 1 for _ in range(4)]  # host batches
+    state = {"n": 0}
+
+    def step():
+        real = images[state["n"] % len(images)].to(device)
+        state["n"] += 1
+        net_d.zero_grad()
+        label = torch.full((batch,), 1.0, device=device)
+        output = net_d(real).view(-1)
+        err_real = criterion(output, label)
+        err_real.backward()
+        output.mean().item()
+        fake = net_g(torch.randn(batch, nz, 1, 1, device=device))
+        label.fill_(0.0)
+        output = net_d(fake.detach()).view(-1)
+        err_fake = criterion(output, label)
+        err_fake.backward()
+        output.mean().item()
+        opt_d.step()
+        net_g.zero_grad()
+        label.fill_(1.0)
+        output = net_d(fake).view(-1)
+        err_g = criterion(output, label)
+        err_g.backward()
+        output.mean().item()
+        opt_g.step()
+        (err_real + err_fake).item()
+        return err_g.item()
+    return step
+
+
 def _timed(torchtpu, step, n):
     """(seconds, compile seconds waited for, compilations) of n calls of step."""
     before = torchtpu.metrics.snapshot()
@@ -161,7 +217,8 @@ def _worker(workload, mode):
                      "background_s": float("nan"), "later": compiles})
         return rows
     step = {"lstm": lambda: _lstm_steps(torch, device, [35]), "gpt": lambda: _gpt_steps(torch, device),
-            "moving slice": lambda: _moving_slice_steps(torch, device)}[workload]()
+            "moving slice": lambda: _moving_slice_steps(torch, device),
+            "gan": lambda: _gan_steps(torch, device)}[workload]()
     first, compile_s, _ = _timed(torchtpu, step, 2)
     rest, more_s, later = _timed(torchtpu, step, 8)
     background_s = _background_seconds(torchtpu)

@@ -46,7 +46,10 @@ GROWTH_MIN = 32
 def test_generate_gives_cpu_tokens_with_few_compilations(model_name, cache, mode, monkeypatch):
     monkeypatch.setattr(growth, "GROWTH_MIN", GROWTH_MIN)
     # Each case starts with no kernel compiled, as a fresh process does (else
-    # those earlier cases compiled would not count).
+    # those earlier cases compiled would not count). An earlier case's
+    # background compile finishes first: JAX's caches cleared under a trace
+    # on another thread leak its tracers.
+    torchtpu.wait_for_compiles()
     torchtpu.cache.clear()
     jax.clear_caches()
     model = _tiny(model_name)
