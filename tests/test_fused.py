@@ -398,3 +398,47 @@ def test_a_long_forward_is_flushed_when_its_backward_starts(fused, monkeypatch, 
     torch.testing.assert_close(more, ref_losses)
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b)
+
+
+def _gradient_penalty_steps(device, steps):
+    """A critic of 25 residual blocks (a forward of over 100 ops) trained
+    with a WGAN-GP gradient penalty: autograd.grad with create_graph, then
+    a backward pass through that gradient; losses and final weights."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(25))
+    head = torch.nn.Linear(16, 1)
+    critic = torch.nn.ModuleList([blocks, head]).to(device)
+
+    def score(x):
+        for lin in blocks:
+            x = x + 0.3 * torch.tanh(lin(x))
+        return head(x)
+    opt = torch.optim.SGD(critic.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        real, fake = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 16, generator=g).to(device)
+        alpha = torch.rand(8, 1, generator=g).to(device)
+        mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        (grads,) = torch.autograd.grad(score(mixed).sum(), mixed, create_graph=True)
+        penalty = ((grads.norm(2, dim=1) - 1) ** 2).mean()
+        loss = score(fake).mean() - score(real).mean() + 10 * penalty
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses), [p.detach().cpu() for p in critic.parameters()]
+
+
+def test_a_gradient_penalty_over_a_long_forward_trains_as_cpu(fused, monkeypatch):
+    """Both backward passes of a step (the penalty's, under create_graph, and
+    the loss's through it) start after a long forward and flush it first;
+    the losses and weights are CPU's."""
+    from torchtpu.modes.fused import STATS
+    monkeypatch.setenv("TORCHTPU_FUSED_COMPILE", "sync")
+    losses, params = _gradient_penalty_steps("tpu", 4)
+    assert STATS.flushes.get("backward") == 8, STATS.flushes
+    ref_losses, ref_params = _gradient_penalty_steps("cpu", 4)
+    torch.testing.assert_close(losses, ref_losses)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b)
