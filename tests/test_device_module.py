@@ -140,6 +140,45 @@ def test_torch_accelerator_memory_functions_answer_for_tpu():
     del keep
 
 
+def test_torch_accelerator_synchronize_waits_for_work(mode):
+    """Device-generic timing code (PyTorch's own example for
+    torch.accelerator.synchronize) runs on tpu, in every mode."""
+    acc = torch.accelerator
+    a = torch.randn(64, 64)
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record()
+    x = a.to(acc.current_accelerator())
+    for _ in range(5):
+        x = x @ x.T / 64
+    end.record()
+    acc.synchronize()
+    assert x._storage.array.is_ready()
+    assert start.elapsed_time(end) >= 0
+    acc.synchronize(0)
+    acc.synchronize(torch.device("tpu", 0))
+    expect = a
+    for _ in range(5):
+        expect = expect @ expect.T / 64
+    torch.testing.assert_close(x.cpu(), expect, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match=f"tpu:{torch.tpu.device_count()} is not available"):
+        acc.synchronize(torch.tpu.device_count())
+
+
+def test_torch_accelerator_capability_lists_the_dtypes_tpu_tensors_hold():
+    dtypes = torch.accelerator.get_device_capability()["supported_dtypes"]
+    assert torch.accelerator.get_device_capability(0)["supported_dtypes"] == dtypes
+    assert {torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex64} <= dtypes
+    for dtype in dtypes:  # each one is made, converted and read back as on CPU
+        x = torch.arange(6).reshape(2, 3).to(dtype)
+        t = x.to("tpu")
+        assert t.dtype == dtype
+        torch.testing.assert_close(t.to(torch.float32).cpu(), x.to(torch.float32))
+        torch.testing.assert_close(t.cpu(), x)
+    assert not dtypes & {torch.float8_e4m3fn, torch.quint8}
+    with pytest.raises(RuntimeError, match="is not available"):
+        torch.accelerator.get_device_capability(torch.tpu.device_count())
+
+
 # ---- streams ---------------------------------------------------------------
 
 def test_streams_api():

@@ -205,6 +205,22 @@ def _accelerator_memory():
             setattr(torch.accelerator, name, routed)
 
 
+def _accelerator_device_queries():
+    """torch.accelerator.synchronize and get_device_capability ask the C++
+    device guard, which a Python backend cannot extend (both raise "Backend
+    doesn't support ..."), and timing code calls synchronize: while tpu is
+    the current accelerator, torch.tpu's synchronize and the dtypes tpu
+    tensors hold answer them."""
+    acc = torch.accelerator
+    acc.synchronize = _on_tpu(synchronize, acc.synchronize)
+    acc.get_device_capability = _on_tpu(_accelerator_capability, acc.get_device_capability)
+
+
+def _accelerator_capability(device=None, /):
+    properties.checked_index(device)
+    return {"supported_dtypes": set(runtime.TORCH_TO_JAX)}
+
+
 def _on_tpu(ours, theirs):
     def routed(*args):
         acc = torch.accelerator.current_accelerator()
@@ -218,6 +234,7 @@ def register_device():
     _setup_privateuseone_for_python_backend("tpu", _module(), _Hooks(), _Guard())
     _accelerator_current_device()
     _accelerator_memory()
+    _accelerator_device_queries()
     streams.install()
 
 
