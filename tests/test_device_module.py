@@ -156,6 +156,15 @@ def test_torch_accelerator_synchronize_waits_for_work(mode):
     assert start.elapsed_time(end) >= 0
     acc.synchronize(0)
     acc.synchronize(torch.device("tpu", 0))
+    stream = acc.current_stream()
+    assert stream == torch.tpu.current_stream() and isinstance(stream, torch.Stream)
+    y = x @ x
+    stream.synchronize()
+    assert y._storage.array.is_ready()
+    other = torch.tpu.Stream()
+    acc.set_stream(other)
+    assert acc.current_stream() == other == torch.tpu.current_stream()
+    acc.set_stream(stream)
     expect = a
     for _ in range(5):
         expect = expect @ expect.T / 64

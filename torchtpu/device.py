@@ -205,15 +205,17 @@ def _accelerator_memory():
             setattr(torch.accelerator, name, routed)
 
 
-def _accelerator_device_queries():
-    """torch.accelerator.synchronize and get_device_capability ask the C++
-    device guard, which a Python backend cannot extend (both raise "Backend
-    doesn't support ..."), and timing code calls synchronize: while tpu is
-    the current accelerator, torch.tpu's synchronize and the dtypes tpu
-    tensors hold answer them."""
+def _accelerator_device_functions():
+    """torch.accelerator.synchronize, get_device_capability and its streams
+    ask the C++ device guard, which a Python backend cannot extend: the first
+    two raise "Backend doesn't support ...", and its stream's synchronize()
+    returns at once, so device-generic timing code would time nothing. While
+    tpu is the current accelerator, torch.tpu's functions answer them."""
     acc = torch.accelerator
     acc.synchronize = _on_tpu(synchronize, acc.synchronize)
     acc.get_device_capability = _on_tpu(_accelerator_capability, acc.get_device_capability)
+    acc.current_stream = _on_tpu(streams.current_stream, acc.current_stream)
+    acc.set_stream = _on_tpu(streams.set_stream, acc.set_stream)
 
 
 def _accelerator_capability(device=None, /):
@@ -234,7 +236,7 @@ def register_device():
     _setup_privateuseone_for_python_backend("tpu", _module(), _Hooks(), _Guard())
     _accelerator_current_device()
     _accelerator_memory()
-    _accelerator_device_queries()
+    _accelerator_device_functions()
     streams.install()
 
 
