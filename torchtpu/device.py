@@ -219,6 +219,8 @@ def _accelerator_device_functions():
 
 
 def _accelerator_capability(device=None, /):
+    """{"supported_dtypes": the dtypes tpu tensors can be made with and
+    converted between}, as torch.accelerator.get_device_capability gives."""
     properties.checked_index(device)
     return {"supported_dtypes": set(runtime.TORCH_TO_JAX)}
 
