@@ -119,6 +119,47 @@ def test_forward_capture_gives_cpu_result(mode):
             assert_same(static_out, cpu(x).softmax(-1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not hasattr(torch.accelerator, "Graph"), reason="torch.accelerator.Graph is torch 2.13's")
+def test_torch_accelerator_graph_captures_and_replays_on_tpu(mode):
+    """Device-generic capture (torch.accelerator.Graph, PyTorch's own
+    docstring example first) gives tpu graphs while tpu is the accelerator."""
+    x = torch.zeros([2000], device=torch.accelerator.current_accelerator())
+    stream = torch.Stream()
+    graph = torch.accelerator.Graph()
+    assert isinstance(graph, torch.accelerator.Graph) and isinstance(graph, torch.tpu.TPUGraph)
+    with stream, graph:
+        x += 1
+    graph.replay()
+    graph.replay()
+    assert_same(x, torch.full((2000,), 2.0))
+    # keep_graph, a shared pool, capture_begin/capture_end and instantiate.
+    cpu = _mlp()
+    model = _mlp().to("tpu")
+    static_x = torch.zeros(4, 6, device="tpu")
+    g = torch.accelerator.Graph(keep_graph=True, pool=graph.pool(), capture_error_mode="relaxed")
+    with torch.no_grad():
+        g.capture_begin()
+        static_out = model(static_x).softmax(-1)
+        g.capture_end()
+    g.instantiate()
+    for batch, _ in _data(2):
+        static_x.copy_(batch)
+        g.replay()
+        with torch.no_grad():
+            assert_same(static_out, cpu(batch).softmax(-1), rtol=1e-5, atol=1e-6)
+    # An error in the block ends the capture; the next one starts afresh.
+    with pytest.raises(ValueError, match="in the block"):
+        with torch.accelerator.Graph():
+            static_x * 3
+            raise ValueError("in the block")
+    assert not torch.tpu.is_current_stream_capturing()
+    g.reset()
+    with g:
+        doubled = static_x * 2
+    g.replay()
+    assert_same(doubled, static_x.cpu() * 2)
+
+
 def test_replay_dispatches_no_op():
     model = _mlp().to("tpu")
     static_x = torch.zeros(4, 6, device="tpu")

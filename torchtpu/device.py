@@ -206,16 +206,18 @@ def _accelerator_memory():
 
 
 def _accelerator_device_functions():
-    """torch.accelerator.synchronize, get_device_capability and its streams
-    ask the C++ device guard, which a Python backend cannot extend: the first
-    two raise "Backend doesn't support ...", and its stream's synchronize()
-    returns at once, so device-generic timing code would time nothing. While
-    tpu is the current accelerator, torch.tpu's functions answer them."""
+    """torch.accelerator.synchronize, get_device_capability, its streams and
+    its Graph ask the C++ device guard, which a Python backend cannot extend:
+    most raise "... not supported ...", and its stream's synchronize() returns
+    at once, so device-generic timing code would time nothing. While tpu is
+    the current accelerator, torch.tpu's functions and graphs answer them."""
     acc = torch.accelerator
     acc.synchronize = _on_tpu(synchronize, acc.synchronize)
     acc.get_device_capability = _on_tpu(_accelerator_capability, acc.get_device_capability)
     acc.current_stream = _on_tpu(streams.current_stream, acc.current_stream)
     acc.set_stream = _on_tpu(streams.set_stream, acc.set_stream)
+    if hasattr(acc, "Graph"):  # (torch 2.13 on)
+        acc.Graph = graphs.accelerator_graph_class(acc.Graph)
 
 
 def _accelerator_capability(device=None, /):

@@ -64,6 +64,13 @@ class TPUGraph:
         self._graph = ex.finish()
         metrics.M.extra["graphs_captured"] = metrics.M.extra.get("graphs_captured", 0) + 1
 
+    def _end_capture(self, exc):
+        """The end of a `with` block capturing into this graph."""
+        if exc is not None:
+            self._abort(exc)
+        else:
+            self.capture_end()
+
     def _abort(self, error):
         """capture end after an exception in the region."""
         global _capturing
@@ -133,11 +140,57 @@ class graph:
         self.tpu_graph.capture_begin(self.pool, self.capture_error_mode)
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self.tpu_graph._abort(exc)
-            return False
-        self.tpu_graph.capture_end()
+        self.tpu_graph._end_capture(exc)
         return False
+
+
+class AcceleratorGraph(TPUGraph):
+    """torch.accelerator.Graph's API (torch 2.13) on tpu: its settings are
+    given when it is made, capture_begin() takes none, and the graph is its
+    own context manager."""
+
+    def __init__(self, keep_graph=False, *, pool=None, capture_error_mode="default"):
+        super().__init__(keep_graph)
+        self.graph_pool = pool
+        self.capture_error_mode = capture_error_mode
+
+    def capture_begin(self):
+        super().capture_begin(self.graph_pool, self.capture_error_mode)
+
+    def instantiate(self):
+        """Nothing to do: the capture is compiled when it ends."""
+
+    def __enter__(self):
+        self.capture_begin()
+
+    def __exit__(self, exc_type, exc, tb):
+        self._end_capture(exc)
+        return False
+
+
+def accelerator_graph_class(torch_graph):
+    """The class to put at torch.accelerator.Graph: it makes an
+    AcceleratorGraph while tpu is the current accelerator, else PyTorch's
+    (whose C++ side has no tpu graphs); isinstance holds for both."""
+    import torch
+
+    class AnyGraphType(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, (torch_graph, AcceleratorGraph))
+
+        def __subclasscheck__(cls, sub):
+            return issubclass(sub, (torch_graph, AcceleratorGraph))
+
+    class Graph(metaclass=AnyGraphType):
+        __doc__ = torch_graph.__doc__
+
+        def __new__(cls, keep_graph=False, **settings):
+            acc = torch.accelerator.current_accelerator()
+            made = AcceleratorGraph if acc is not None and acc.type == "tpu" else torch_graph
+            return made(keep_graph, **settings)
+
+    Graph.__module__, Graph.__qualname__ = torch_graph.__module__, torch_graph.__qualname__
+    return Graph
 
 
 _OPTIMIZER_CHECKED = False
