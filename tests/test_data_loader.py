@@ -186,6 +186,46 @@ def test_workers_and_an_error_in_the_dataset():
     assert "for x, _ in DeviceLoader(bad, prefetch=2)" in str(here[-1].statement)
 
 
+class _TpuDataset(torch.utils.data.Dataset):
+    def __init__(self):
+        self.x = torch.arange(20.0).reshape(10, 2).to("tpu")
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return self.x[i] * 2
+
+
+class _ForkReport(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor([i, torch.tpu._is_in_bad_fork(), torchtpu.get_eager_mode() != ""])
+
+
+def test_a_forked_worker_using_tpu_tensors_raises_instead_of_hanging(mode):
+    """DataLoader workers forked from this process (Linux's default start
+    method): a dataset holding tpu tensors raises torchtpu's fork error in
+    the main process, as CUDA's "Cannot re-initialize CUDA in forked
+    subprocess" (it hung in XLA's compiler before). A CPU dataset's workers
+    run, and there tpu is "in a bad fork", so torch.manual_seed leaves it be."""
+    torchtpu.sync()
+    # (timeout: a regression fails here instead of hanging the run)
+    bad = DataLoader(_TpuDataset(), batch_size=5, num_workers=1,
+                     multiprocessing_context="fork", timeout=120)
+    with pytest.raises(RuntimeError, match="cannot be used in a process forked from one using"):
+        next(iter(bad))
+    ok = DataLoader(_ForkReport(), batch_size=2, num_workers=2,
+                    multiprocessing_context="fork", timeout=120)
+    got = torch.cat(list(ok))
+    assert got.tolist() == [[i, 1, 1] for i in range(4)]
+    assert not torch.tpu._is_in_bad_fork()
+    x = torch.arange(3.0, device="tpu") * 2  # this process still runs tpu work
+    assert_same(x, torch.arange(3.0) * 2)
+
+
 @pytest.mark.parametrize("sync", ["item", "synchronize"])
 def test_a_sync_point_runs_the_graph_before_waiting_for_uploads(monkeypatch, sync):
     """In fused mode the pending step's graph is started before the wait

@@ -19,6 +19,12 @@ def get_device(index=0):
     return torch.device("tpu", index)
 
 
+def _is_in_bad_fork():
+    """torch.manual_seed() seeds tpu only outside a forked child, as CUDA."""
+    from . import modes  # (its executors need the device registered first)
+    return modes.in_forked_child()
+
+
 def _module():
     mod = types.ModuleType("torch.tpu", "The tpu device module (torchtpu).")
 
@@ -38,7 +44,7 @@ def _module():
     # What PyTorch reads of a device module by name (torch.utils.checkpoint
     # saves and restores the device's random state only if it is set).
     mod._initialized = True
-    mod._is_in_bad_fork = lambda: False
+    mod._is_in_bad_fork = _is_in_bad_fork
     mod.device_count = device_count
     mod.current_device = properties.current_index
     mod.set_device = set_device

@@ -9,9 +9,11 @@ records, fuses and waits_each_op (modes/strict.py says what each means).
 Fused mode also has flush(reason) and record_collective(...).
 """
 import contextlib
+import os
 import time
 
 from .. import config, errors, metrics, profiling
+from .forked import ForkedExecutor
 
 MODES = ("debug", "strict", "fused")
 _executors = {}
@@ -113,6 +115,21 @@ def sync_point(reason, wait):
 def sync(reason="sync"):
     """Wait for all pending work."""
     sync_point(reason, _current.sync)
+
+
+def in_forked_child():
+    """Whether this process was forked from one using tpu (its tpu work raises)."""
+    return isinstance(_current, ForkedExecutor)
+
+
+def _after_fork_in_child():
+    global _current
+    forked = ForkedExecutor(_current.name)
+    _executors.update(dict.fromkeys(MODES, forked))  # set_eager_mode keeps it
+    _current = forked
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 set_eager_mode(_check(config.EAGER_MODE.text().lower()))
