@@ -4,7 +4,9 @@ safetensors, and Hugging Face save_pretrained / from_pretrained. Each loads
 leaf parameters with requires_grad kept, the saved values, dtypes and
 buffers, and one parameter where the saved model had one."""
 import io
+import operator
 import pickle
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
@@ -441,3 +443,27 @@ def test_hugging_face_save_pretrained_and_from_pretrained(tmp_path, device_map):
         opt.step()
     for name, p in loaded.named_parameters():
         assert_same(p.detach(), expected[name].detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_sending_a_tpu_tensor_to_another_process_raises_rather_than_copying():
+    """torch.multiprocessing shares a CUDA tensor's memory with the process
+    it is sent to (Hogwild training writes the parent's model from its
+    workers). A tpu tensor cannot be shared, and a copy would lose the
+    other side's writes without a word: sending one raises at the sender's
+    line, as it does for PyTorch's other devices without shared memory.
+    The recipe the message gives, a CPU tensor in shared memory, works."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    model = torch.nn.Linear(2, 2).to("tpu")
+    with pytest.raises(RuntimeError, match="tpu tensors cannot be shared between processes"):
+        ctx.Process(target=operator.iadd, args=(model.weight.data, 1)).start()
+    with pytest.raises(RuntimeError, match="tpu tensors cannot be shared between processes"):
+        ForkingPickler.dumps(model)  # (a Queue pickles with it too)
+    shared = torch.zeros(3).share_memory_()
+    child = ctx.Process(target=operator.iadd, args=(shared, 1))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    assert torch.equal(shared, torch.ones(3))  # the child's write, seen here
+    # Pickling for files and copies is unchanged.
+    t = torch.arange(3.0, device="tpu")
+    assert_same(pickle.loads(pickle.dumps(t)), torch.arange(3.0))

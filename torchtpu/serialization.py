@@ -24,6 +24,7 @@ import io
 import math
 import re
 import weakref
+from multiprocessing.reduction import ForkingPickler
 
 import jax
 import jax.numpy as jnp
@@ -462,10 +463,24 @@ def _patch_safetensors():
     safetensors.safe_open = safetensors.torch.safe_open = safe_open
 
 
+def _refuse_to_share(t):
+    """A tpu tensor sent to another process (torch.multiprocessing's
+    arguments and queues pickle with ForkingPickler): a CUDA tensor arrives
+    there as the same memory, so writes on either side show on both
+    (Hogwild training relies on it). XLA's device memory has no handle to
+    share, and a copy would drop those writes without a word: refuse."""
+    raise RuntimeError(
+        "torchtpu: tpu tensors cannot be shared between processes (XLA's device memory has "
+        "no inter-process handle, and a copy would not see the other process's writes). "
+        "Send CPU tensors (t.cpu(), or a CPU model after model.share_memory()) and move "
+        "them to the device in the receiving process")
+
+
 def install():
     # torch.save and pickle write a tpu tensor as PyTorch writes a CUDA one:
     # its storage's bytes, tagged with the device, and how it views them.
     TpuTensor.__reduce_ex__ = lambda t, proto: reduce_tensor(t)
+    ForkingPickler.register(TpuTensor, _refuse_to_share)
     TpuTensor.__deepcopy__ = deepcopy_tensor
     TpuTensor.untyped_storage = untyped_storage
     TpuTensor.data_ptr = data_ptr
