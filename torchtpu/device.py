@@ -235,8 +235,7 @@ def _accelerator_capability(device=None, /):
 
 def _on_tpu(ours, theirs):
     def routed(*args):
-        acc = torch.accelerator.current_accelerator()
-        return (ours if acc is not None and acc.type == "tpu" else theirs)(*args)
+        return (ours if properties.tpu_is_the_accelerator() else theirs)(*args)
     routed.__name__, routed.__doc__ = theirs.__name__, ours.__doc__
     return routed
 

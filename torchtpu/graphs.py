@@ -10,7 +10,7 @@ what replay draws from the random generator).
 """
 import gc
 
-from . import metrics
+from . import metrics, properties
 
 _capturing = None  # the TPUGraph being captured
 
@@ -172,7 +172,6 @@ def accelerator_graph_class(torch_graph):
     """The class to put at torch.accelerator.Graph: it makes an
     AcceleratorGraph while tpu is the current accelerator, else PyTorch's
     (whose C++ side has no tpu graphs); isinstance holds for both."""
-    import torch
 
     class AnyGraphType(type):
         def __instancecheck__(cls, obj):
@@ -185,8 +184,7 @@ def accelerator_graph_class(torch_graph):
         __doc__ = torch_graph.__doc__
 
         def __new__(cls, keep_graph=False, **settings):
-            acc = torch.accelerator.current_accelerator()
-            made = AcceleratorGraph if acc is not None and acc.type == "tpu" else torch_graph
+            made = AcceleratorGraph if properties.tpu_is_the_accelerator() else torch_graph
             return made(keep_graph, **settings)
 
     Graph.__module__, Graph.__qualname__ = torch_graph.__module__, torch_graph.__qualname__

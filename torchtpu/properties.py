@@ -18,6 +18,13 @@ def current_index():
     return _current
 
 
+def tpu_is_the_accelerator():
+    """Whether torch.accelerator's current accelerator is tpu (it is unless
+    another accelerator's backend is in the process too)."""
+    acc = torch.accelerator.current_accelerator()
+    return acc is not None and acc.type == "tpu"
+
+
 def set_current_index(index):
     global _current
     check_index(index)

@@ -296,8 +296,7 @@ def stream(stream):
 
 def _is_tpu(device):
     if device is None:
-        acc = torch.accelerator.current_accelerator()
-        return acc is not None and acc.type == "tpu"
+        return properties.tpu_is_the_accelerator()
     if isinstance(device, int):
         return False
     return torch.device(device).type == "tpu"

@@ -48,13 +48,9 @@ import warnings
 
 import torch
 
+from .. import properties
 from ..tensor import DEVICE
 from .after_import import when_imported
-
-
-def _tpu_is_the_accelerator():
-    accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and accelerator.type == DEVICE.type
 
 
 def _world_size():
@@ -90,7 +86,7 @@ def _patch_state(module):
     accelerate_set_device = partial_state.set_device
 
     def default_device(self):
-        if not _tpu_is_the_accelerator():
+        if not properties.tpu_is_the_accelerator():
             return accelerate_default(self)
         if _world_size() > 1:
             # Several processes, but none launched as one of several on a host.
@@ -103,7 +99,7 @@ def _patch_state(module):
 
     def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         chosen, kind = accelerate_backend(self, cpu, sagemaker_dp, backend)
-        if kind != distributed_type.NO or cpu or not _tpu_is_the_accelerator():
+        if kind != distributed_type.NO or cpu or not properties.tpu_is_the_accelerator():
             return chosen, kind
         if _local_rank() is not None:
             # Accelerate has no MULTI_TPU; MULTI_GPU is its type for one
@@ -120,7 +116,7 @@ def _patch_state(module):
 
     def set_device(self):
         if self.device is not None or self.distributed_type == distributed_type.NO or \
-                self._cpu or not _tpu_is_the_accelerator():
+                self._cpu or not properties.tpu_is_the_accelerator():
             return accelerate_set_device(self)
         # Accelerate would take MULTI_GPU's device for cuda; DDP's device_ids
         # are [local_process_index], so the device is tpu:local_process_index.
