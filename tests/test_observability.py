@@ -290,6 +290,9 @@ def test_the_dumped_snapshot_reads_in_pytorchs_memory_visualizer(tmp_path):
     import pickle
 
     from torch.cuda import _memory_viz
+    # The snapshot lists every live block: an earlier test's exception (its
+    # traceback's frames) can hold a bigger one until Python collects it.
+    gc.collect()
     torch.tpu.memory._record_memory_history()
     try:
         big = torch.ones(300, 500, device="tpu") * 2
