@@ -94,12 +94,15 @@ def _tagger_loss(model, x, y):
 
 
 WARM = [17, 30, 25, 28]  # the first length exact, then padded to 32
+# A batch of each mode's own: the first length is noted where a kernel is
+# missing, and another mode's run would have compiled those already.
+BATCH = {"debug": 4, "strict": 5, "fused": 6}
 
 
 def test_training_on_varying_lengths_equals_cpu_and_compiles_per_bucket(mode):
     lengths = WARM + [31, 20, 29, 22, 19, 32]
-    cpu_losses, _, cpu_params = _train("cpu", lengths, _Tagger, _tagger_loss)
-    losses, compiled, params = _train("tpu", lengths, _Tagger, _tagger_loss)
+    cpu_losses, _, cpu_params = _train("cpu", lengths, _Tagger, _tagger_loss, batch=BATCH[mode])
+    losses, compiled, params = _train("tpu", lengths, _Tagger, _tagger_loss, batch=BATCH[mode])
     assert losses == pytest.approx(cpu_losses, rel=1e-5)
     assert_same(params, cpu_params)
     assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
@@ -173,6 +176,31 @@ def test_lstm_on_varying_lengths_equals_cpu_and_compiles_per_bucket(eager):
     assert_same(params, cpu_params, atol=1e-5, rtol=1e-4)
     if eager == "strict":  # (fused mode's graphs hold one LSTM cell a time step)
         assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
+
+
+@pytest.mark.parametrize("eager", ["strict", "fused"])
+def test_full_batches_after_a_short_one_keep_their_own_length(eager):
+    # pytorch/examples' word_language_model: bptt slices of one length, each
+    # epoch's last one short. The full ones after it run as before it, at
+    # their own length: not padded (to 32), and compiling nothing new.
+    lengths = [20, 20, 20, 11] * 2 + [20, 20]
+    cpu_losses, _, cpu_params = _train("cpu", lengths, _LanguageModel, _lm_loss, batch=7)
+    with torchtpu.eager_mode(eager):
+        losses, compiled, params = _train("tpu", lengths, _LanguageModel, _lm_loss, batch=7)
+        data = torch.randint(0, 50, (40, 7), generator=torch.Generator().manual_seed(1))
+        model = _LanguageModel()
+        model.load_state_dict(dict(zip(model.state_dict(), params)))
+        tpu_model = _LanguageModel().to("tpu")
+        tpu_model.load_state_dict(model.state_dict())
+        dt = data.to("tpu")
+        outs = [tpu_model(dt[i:i + n]) for i, n in [(0, 20), (20, 11), (5, 20)]]
+        assert [type(o._storage) is GrownStorage for o in outs] == [False, True, False]
+        assert_same(outs, [model(data[i:i + n]) for i, n in [(0, 20), (20, 11), (5, 20)]],
+                    atol=1e-5, rtol=1e-4)
+    assert losses == pytest.approx(cpu_losses, rel=1e-5)
+    assert_same(params, cpu_params, atol=1e-5, rtol=1e-4)
+    if eager == "strict":  # (fused mode compiles the short step's graph when it recurs)
+        assert compiled[4:] == [0] * (len(lengths) - 4), compiled
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])

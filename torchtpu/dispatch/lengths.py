@@ -5,11 +5,14 @@ dim marked dynamic (marked_upload), and the tensors computed from them.
 Without it every op on them compiles one kernel per length (in fused mode,
 one graph per length).
 
-Once the rows that slices of one storage take have varied (a new kernel met
-a second row count), an op with a rule below reads such a slice as rows
-padded to a bucket (a power of two, at least PAD_MIN; zeros past the true
-count) by one torchtpu::read_rows kernel per bucket, and computes on the
-padded arrays. Its result's storage is a GrownStorage, padded along one dim
+Once slices of one storage take a row count other than the first one a new
+kernel met, an op with a rule below reads such a slice as rows padded to a
+bucket (a power of two, at least PAD_MIN, or that first count where it lies
+between; zeros past the true count) by one torchtpu::read_rows kernel per
+bucket, and computes on the padded arrays. Slices of the first count keep
+their exact kernels: batches of one length with a last short one (a
+language model's bptt slices) run their full batches as they did before
+the short one, not padded to the next power of two. Its result's storage is a GrownStorage, padded along one dim
 with zeros past its extent, as torch.cat's growth makes
 (torchtpu.dispatch.growth), so the ops after it compile once per bucket too.
 
@@ -54,21 +57,20 @@ from ..compat import aten
 ENABLED = config.LENGTHS.on()
 PAD_MIN = 8
 
-# Storage -> the row count of the last slice of it that a new kernel read;
-# storages whose slices' row counts have varied.
-_rows_read = weakref.WeakKeyDictionary()
-_varying = weakref.WeakKeyDictionary()
-# (item shape, dtype) -> the count (at least PAD_MIN) of the last torch.stack
-# of such items, or True once that count has varied (an RNN's steps).
+# Storage -> the row count of the first slice of it that a new kernel read.
+_first_rows = weakref.WeakKeyDictionary()
+# (item shape, dtype) -> the first count (at least PAD_MIN) of a torch.stack
+# of such items (an RNN's steps).
 _stacked = {}
 
 
-def bucket(n):
-    """The padded length of a varying length n."""
+def bucket(n, first=None):
+    """The padded length of a varying length n: a power of two, or the length
+    met first where that lies between n and the power."""
     size = PAD_MIN
     while size < n:
         size *= 2
-    return size
+    return first if first is not None and n <= first < size else size
 
 
 class Operand(typing.NamedTuple):
@@ -102,13 +104,11 @@ def operand(t):
     if rows is None:
         return None
     start, count = rows
-    if _rows_read.get(storage, count) != count:
-        _varying[storage] = True
-    _rows_read[storage] = count
-    if storage not in _varying:
+    first = _first_rows.setdefault(storage, count)
+    if count == first:
         return None
     whole = whole_tensor(storage, t._key[1], t.dtype)
-    padded = dispatch(torch.ops.torchtpu.read_rows.default, (whole, start, count, bucket(count)), {})
+    padded = dispatch(torch.ops.torchtpu.read_rows.default, (whole, start, count, bucket(count, first)), {})
     return _viewed(t, padded, 0, count, start * math.prod(t._key[1][1:]))
 
 
@@ -410,12 +410,11 @@ def _stack(tensors, dim=0):
         # Not noted: an RNN's final states of its few layers, stacked
         # beside its steps' outputs of the same shape.
         return _run_lowered(plan, (tensors, dim), {})
-    seen = _stacked.get(kind, n)
-    _stacked[kind] = True if seen is True or seen != n else n
-    if _stacked[kind] is not True:
+    first_n = _stacked.setdefault(kind, n)
+    if n == first_n:
         return _run_lowered(plan, (tensors, dim), {})
     # Zeros of their own storages, so the kernel's key is the bucket's whatever n.
-    zeros = [dispatch(aten.zeros_like.default, (first,), {}) for _ in range(bucket(n) - n)]
+    zeros = [dispatch(aten.zeros_like.default, (first,), {}) for _ in range(bucket(n, first_n) - n)]
     out = _run_lowered(plan, (list(tensors) + zeros, 0), {})
     return grown_tensor(out, 0, n, out.dtype)
 
