@@ -349,6 +349,41 @@ WORKER = COMMON + textwrap.dedent("""\
     for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
         close(failures, f"gradient {i}", p.grad.full_tensor(), q.grad, 1e-5)
 
+    failures = section("tp_attention")
+    # Heads split by tensor parallelism, as pytorch/examples' Llama lays them
+    # out (q, k, v ColwiseParallel giving DTensors, the output RowwiseParallel):
+    # scaled_dot_product_attention of DTensors, causal and with a float mask.
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(8, 8, bias=False) for _ in range(4))
+
+        def forward(self, x, mask=None):
+            b, s, _ = x.shape
+            q, k, v = (p(x).view(b, s, -1, 2).transpose(1, 2) for p in (self.q, self.k, self.v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
+    float_mask = torch.randn(5, 5, generator=torch.Generator().manual_seed(4))
+    for name, mask in (("causal", None), ("float mask", float_mask)):
+        torch.manual_seed(0)
+        ref = Attention()
+        torch.manual_seed(0)
+        model = Attention().to("tpu")
+        parallelize_module(model, mesh, {"q": ColwiseParallel(use_local_output=False),
+                                         "k": ColwiseParallel(use_local_output=False),
+                                         "v": ColwiseParallel(use_local_output=False),
+                                         "o": RowwiseParallel()})
+        tpu_mask = None if mask is None else distribute_tensor(mask.to("tpu"), mesh, [Replicate()])
+        got = model(x.to("tpu"), tpu_mask)
+        want = ref(x, mask)
+        close(failures, f"{name}: output", got, want.detach(), 1e-6)
+        got.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters(), strict=True)):
+            close(failures, f"{name}: gradient {i}", p.grad.full_tensor(), q.grad, 1e-5)
+
 """) + END
 
 # Four processes: a 2-D mesh, FSDP2 over "dp" and TP over "tp".
@@ -444,6 +479,10 @@ def test_tensor_parallel_fused_step_is_one_graph_with_its_collectives(results):
 
 def test_sequence_parallel_forward_and_backward_as_on_cpu(results):
     _section(results, "sequence_parallel")
+
+
+def test_tensor_parallel_attention_splits_heads_as_on_cpu(results):
+    _section(results, "tp_attention")
 
 
 def test_fsdp2_and_tp_on_a_2d_mesh_of_four_processes(tmp_path):

@@ -422,9 +422,12 @@ class TpuProcessGroup(dist.ProcessGroup):
 
 
 def _create(store, rank, size, timeout):
-    # FSDP2 needs a process group first: its copy-in gets its handler now,
-    # not at torchtpu's import (FSDP2's modules take a while to import).
+    # FSDP2 and DTensor need a process group first: FSDP2's copy-in gets its
+    # handler now, and DTensor its rules for torchtpu's attention ops, not
+    # at torchtpu's import (their modules take a while to import).
     fsdp_ops.register()
+    from . import sharding
+    sharding.register()
     return TpuProcessGroup(store, rank, size, timeout)
 
 

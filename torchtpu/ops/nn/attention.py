@@ -66,9 +66,11 @@ _ATTENTION_LIB.define("attention_grown(Tensor q, Tensor k, Tensor v, Tensor? mas
 _ATTENTION_LIB.impl("attention_grown", lambda q, k, v, *args: q.new_empty(q.shape[:-1] + v.shape[-1:]),
                     "Meta")
 _ATTENTION_LIB.impl("attention", lambda q, k, v, *args: q.new_empty(q.shape[:-1] + v.shape[-1:]), "Meta")
+# Contiguous, as the kernels' results are (whatever the inputs' strides): a
+# DTensor's strides are its meta result's, and a view of it must fit its shards.
 _ATTENTION_LIB.impl("attention_backward", lambda grad, q, k, v, mask, *args: (
-    torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-    torch.empty_like(mask) if args[-1] else q.new_empty(0)), "Meta")
+    q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+    mask.new_empty(mask.shape) if args[-1] else q.new_empty(0)), "Meta")
 _ATTENTION_LIB.impl("attention_dropout_keep", lambda q, k, *args: torch.empty(
     q.shape[:-1] + k.shape[-2:-1], dtype=torch.bool, device=q.device), "Meta")
 
