@@ -9,12 +9,13 @@ Once slices of one storage take a row count other than the first one a new
 kernel met, an op with a rule below reads such a slice as rows padded to a
 bucket (a power of two, at least PAD_MIN, or that first count where it lies
 between; zeros past the true count) by one torchtpu::read_rows kernel per
-bucket, and computes on the padded arrays. Slices of the first count keep
-their exact kernels: batches of one length with a last short one (a
-language model's bptt slices) run their full batches as they did before
-the short one, not padded to the next power of two. Its result's storage is a GrownStorage, padded along one dim
-with zeros past its extent, as torch.cat's growth makes
-(torchtpu.dispatch.growth), so the ops after it compile once per bucket too.
+bucket, and computes on the padded arrays. Its result's storage is a
+GrownStorage, padded along one dim with zeros past its extent, as
+torch.cat's growth makes (torchtpu.dispatch.growth), so the ops after it
+compile once per bucket too. Slices of the first count keep their exact
+kernels: batches of one length with a last short one (a language model's
+bptt slices) run their full batches as they did before the short one, not
+padded to the next power of two.
 
 The rules, each giving exactly the values of the op at the true extent:
 - the ops PyTorch tags pointwise (not random ones): computed on the padded
