@@ -1,6 +1,8 @@
 """torch.tpu as a CUDA script calls torch.cuda: device selection and
 information, memory statistics, streams and events."""
 import gc
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -277,6 +279,24 @@ def test_event_times_device_work(make_event):
                 expect = expect @ a.cpu()
             assert expect.abs().max() > 0.01
             torch.testing.assert_close(b.cpu(), expect, rtol=1e-4, atol=1e-5)
+
+
+def test_process_exits_cleanly_with_events_still_waiting(tmp_path):
+    """A program that ends while recorded events wait on its last work (as
+    FSDP2's do) exits with status 0: the thread stamping them is not left
+    inside the runtime as the interpreter finalizes (which aborted it)."""
+    script = tmp_path / "events_at_exit.py"
+    script.write_text(
+        "import torch, torchtpu\n"
+        "x = torch.randn(800, 800, device='tpu') / 800 ** 0.5\n"
+        "for _ in range(10):\n"
+        "    x = x @ x\n"
+        "    torch.tpu.Event().record()\n"
+        "print('issued')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == "issued\n" and "terminate" not in proc.stderr, proc.stderr
 
 
 def test_event_api_semantics(mode):

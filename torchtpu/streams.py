@@ -24,6 +24,7 @@ these (record, synchronize, elapsed_time), which a Python backend cannot
 provide in torch 2.13; install() makes torch.Event("tpu") and
 torch.Stream("tpu") build these classes instead.
 """
+import atexit
 import itertools
 import os
 import queue
@@ -100,6 +101,7 @@ class _Waiter:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="torchtpu-events", daemon=True)
             self._thread.start()
+            atexit.register(self.stop)
         with self._idle:
             self.pending += 1
         self._queue.put((event, arrays))
@@ -107,6 +109,8 @@ class _Waiter:
     def _loop(self):
         while True:
             event, arrays = self._queue.get()
+            if event is None:
+                return
             _block(arrays)
             event._stamp(time.perf_counter())
             del event, arrays  # (first: a drained waiter holds no arrays)
@@ -119,6 +123,16 @@ class _Waiter:
         (a memory query's duty: the tensors the user freed are freed)."""
         with self._idle:
             self._idle.wait_for(lambda: self.pending == 0)
+
+    def stop(self):
+        """At exit: let the thread finish the events before it and end.
+        Left waiting inside the runtime as the interpreter finalizes, it
+        would be ended there on its way back to Python, which aborts the
+        process (std::terminate)."""
+        if self._thread is not None:
+            self._queue.put((None, None))
+            self._thread.join()
+            self._thread = None
 
 
 _waiter = _Waiter()
