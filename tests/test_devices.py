@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import torchtpu
 from torchtpu import metrics
+from torchtpu.dispatch.host import device_array
 
 pytestmark = pytest.mark.skipif(
     torch.tpu.device_count() < 2,
@@ -63,6 +64,26 @@ def test_ops_keep_their_device_and_match_cpu(mode):
     for name, (got, want) in results.items():
         assert on(got, 1), name
         torch.testing.assert_close(got.cpu(), want, msg=name)
+
+
+def test_empty_tensors_and_their_views_are_read_on_their_device(mode):
+    """An empty view's reader uses none of its input, yet runs on the
+    input's device (it ran on tpu:0, and a collective over such a tensor,
+    Accelerate's copy_tensor_to_devices of a (2, 0, 3) tensor, raised)."""
+    x = torch.randn(4, 3, device="tpu:1")
+    empties = {"zeros": torch.zeros(2, 0, 3, device="tpu:1"),
+               "clone": torch.ones(3, 0, device="tpu:1").clone(),
+               "columns": x[:, :0], "rows": x[2:2], "strided": x.t()[:, 1:1]}
+    for name, t in empties.items():
+        arr = device_array(t)
+        assert arr.devices() == {jax.local_devices()[1]}, name
+        assert arr.shape == tuple(t.shape), name
+        for got in (t + 1, torch.cat([t, t]), t.sum(-1)):
+            assert on(got, 1), name
+            assert device_array(got).devices() == {jax.local_devices()[1]}, name
+        want = torch.empty(t.shape)
+        torch.testing.assert_close(t.sum(-1).cpu(), want.sum(-1), msg=name)
+        torch.testing.assert_close(torch.cat([t, t]).cpu(), torch.cat([want, want]), msg=name)
 
 
 def test_training_on_the_second_device_matches_cpu(mode):

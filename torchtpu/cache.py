@@ -231,11 +231,13 @@ def jit(fn, name=None, donate_argnums=(), device=0):
     device: the index of the device it runs on. Its results are placed there,
     committed to it: JAX would put a factory's on its default device,
     uncommitted, and a kernel later given a committed array in its place
-    would compile again. None: where its inputs are (a reader's)."""
+    would compile again. None: where its inputs are (a reader's); kept
+    when fn does not use them (an empty view's reader), as JAX would drop
+    them and run it on its default device."""
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
     if device is None:
-        return jax.jit(fn, donate_argnums=donate_argnums)
+        return jax.jit(fn, donate_argnums=donate_argnums, keep_unused=True)
     from . import runtime
     return jax.jit(fn, donate_argnums=donate_argnums, out_shardings=runtime.SHARDINGS[device])
 
