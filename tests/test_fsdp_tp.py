@@ -17,6 +17,7 @@ COMMON = textwrap.dedent("""\
     import torch.distributed._functional_collectives as funcol
     import torchtpu
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -212,6 +213,19 @@ WORKER = COMMON + textwrap.dedent("""\
     if shards != [(8, 8), (8,), (2, 16), (2,)]:
         failures.append(f"local shards {shards}")
     compare(failures, train(model, X[half], Y[half]), reference(), 1e-6)
+
+    failures = section("fsdp1")
+    # FullyShardedDataParallel as its docs call it: a CPU model moved to its
+    # device_id by `param.data = param.to(device)`.
+    model = FSDP(make(), device_id=device)
+    trained = train(model, X[half], Y[half])
+    if [p.device.type for p in trained] != ["tpu"]:
+        failures.append(f"flat parameters on {[p.device for p in trained]}")
+    with FSDP.summon_full_params(model):
+        full = [model.module[0].weight, model.module[0].bias,
+                model.module[2].weight, model.module[2].bias]
+        for i, (p, q) in enumerate(zip(full, reference(), strict=True)):
+            close(failures, f"parameter {i}", p, q.detach(), 1e-6)
 
     failures = section("fsdp_fused_prefetch")
     torchtpu.set_eager_mode("fused")
@@ -431,6 +445,10 @@ def test_fsdp2_trains_as_one_process_on_the_whole_batch(results):
     _section(results, "fsdp")
     for r in results:  # FSDP2's copy-in and copy-out ops run on tpu too
         assert r["training_fallbacks"] == {}
+
+
+def test_fsdp1_from_a_cpu_model_with_device_id_trains_as_one_process(results):
+    _section(results, "fsdp1")
 
 
 def test_fsdp2_mixed_precision_trains_as_the_same_bf16_math_on_cpu(results):

@@ -182,6 +182,45 @@ def test_parameter_that_cannot_be_swapped_is_replaced_and_its_optimizer_refuses(
     late.step()  # the model's own parameters step as usual
 
 
+def test_parameter_data_set_to_a_tpu_tensor_moves_it_in_place(mode):
+    # `p.data = p.to(device)`, as FullyShardedDataParallel moves a model to
+    # its device_id: on CUDA the Parameter object itself moves, so an
+    # optimizer built before trains it, and it aliases the tensor it was given.
+    torch.manual_seed(0)
+    cpu, model = nn.Linear(3, 2), nn.Linear(3, 2)
+    model.load_state_dict(cpu.state_dict())
+    weight = model.weight
+    weight.tag = "mine"
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (cpu, model)]
+    for p in model.parameters():
+        p.data = p.to("tpu")
+    assert model.weight is weight and weight.is_tpu and isinstance(weight, nn.Parameter)
+    assert weight.requires_grad and weight.tag == "mine" and model.bias.is_tpu
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        for m, opt, inp in ((cpu, opts[0], x), (model, opts[1], x.to("tpu"))):
+            m(inp).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same(model.weight, cpu.weight.detach(), atol=1e-6, rtol=1e-6)
+    assert_same(model.bias, cpu.bias.detach(), atol=1e-6, rtol=1e-6)
+
+    p, given = nn.Parameter(torch.ones(2)), torch.zeros(2, device="tpu")
+    p.data = given
+    given.add_(5)
+    assert_same(p, torch.full((2,), 5.0))
+    assert p.requires_grad and p.grad_fn is None
+
+
+def test_parameter_data_that_cannot_move_in_place_raises():
+    import weakref
+    p = nn.Parameter(torch.ones(2))
+    held = weakref.ref(p)
+    with pytest.raises(RuntimeError, match="cannot move this cpu Parameter to tpu in place"):
+        p.data = torch.zeros(2, device="tpu")
+    assert held() is p and p.device.type == "cpu" and torch.equal(p.detach(), torch.ones(2))
+
+
 def test_with_swapping_conversion_on(monkeypatch):
     # torch.__future__'s swap flag: parameters are swapped in place, on CPU
     # as PyTorch does, and to and from tpu; ties kept.

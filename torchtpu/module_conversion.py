@@ -155,8 +155,31 @@ def _refuse_replaced_parameters(optimizer, args, kwargs):
                     "train nothing; build the optimizer after moving the model")
 
 
+_tensor_data = torch._C.TensorBase.data
+
+
+def _parameter_data(self):
+    return _tensor_data.__get__(self)
+
+
+def _set_parameter_data(self, value):
+    """`param.data = t`, t on tpu and param not (FSDP's move to its
+    device_id): set_data would refuse the other tensor class, where CUDA
+    moves the Parameter in place. t's values are swapped into the Parameter
+    object instead, as by .to(); it then aliases t, as set_data makes it."""
+    if isinstance(value, TpuTensor) and not isinstance(self, TpuTensor):
+        if not _swap_in(self, value.detach(), lambda g: g.to(value.device)):
+            raise RuntimeError(
+                f"torchtpu: `param.data = t` cannot move this {self.device.type} Parameter to "
+                f"{DEVICE.type} in place: something holds it (a weak reference, or an autograd "
+                f"graph alive); move its module with .to(\"{DEVICE.type}\") instead")
+        return
+    _tensor_data.__set__(self, value)
+
+
 def install():
     nn.Module._apply = _apply
+    nn.Parameter.data = property(_parameter_data, _set_parameter_data)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     register_optimizer_step_pre_hook(_refuse_replaced_parameters)
 
