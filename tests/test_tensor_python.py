@@ -287,7 +287,7 @@ def test_fork_rng_restores_the_device_stream():
 # ---- torch.func ----------------------------------------------------------------------
 
 def test_torch_func_transforms(mode):
-    from torch.func import functional_call, grad, jacrev, vjp, vmap
+    from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     x = torch.randn(4, 3)
@@ -311,6 +311,17 @@ def test_torch_func_transforms(mode):
     (out_c, fn_c), (out_t, fn_t) = vjp(f, x), vjp(f, x.to("tpu"))
     assert_same(out_t, out_c)
     assert_same(fn_t(torch.ones(4, 3, device="tpu"))[0], fn_c(torch.ones(4, 3))[0], atol=1e-6, rtol=1e-5)
+    # Forward mode (jvp, jacfwd, hessian): its tangent checks are answered
+    # on tpu, not by the CPU fallback.
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    ones = torch.ones(4, 3)
+    (out_c, tan_c), (out_t, tan_t) = jvp(f, (x,), (ones,)), jvp(f, (x.to("tpu"),), (ones.to("tpu"),))
+    assert_same(out_t, out_c)
+    assert_same(tan_t, tan_c, atol=1e-6, rtol=1e-5)
+    assert_same(jacfwd(f)(x[0].to("tpu")), jacfwd(f)(x[0]), atol=1e-6, rtol=1e-5)
+    h = lambda v: (v.sin() * v).sum()  # noqa: E731
+    assert_same(hessian(h)(x[0].to("tpu")), hessian(h)(x[0]), atol=1e-5, rtol=1e-5)
+    assert dict(torchtpu.metrics.M.cpu_fallbacks) == before
 
 
 # ---- pickle of modules -------------------------------------------------------------------

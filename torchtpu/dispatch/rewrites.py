@@ -1,7 +1,8 @@
 """Ops the dispatcher rewrites into others before lowering: views that may
 be copies, as_strided_scatter, in-place ops whose functional variant takes
 other arguments, legacy batch-norm ops, questions answered with one value
-read back (equal, allclose, linalg's error checks), composite out= kernels
+read back (equal, allclose, linalg's error checks) or from sizes alone
+(_has_same_storage_numel), composite out= kernels
 that would not write out=, and the refusal of sparse layouts."""
 import math
 
@@ -90,6 +91,15 @@ def _linalg_check_errors(info, api_name, *, is_matrix):
 
 
 SPECIAL[aten._linalg_check_errors.default] = _linalg_check_errors
+
+
+def _has_same_storage_numel(base, other):
+    # Forward-mode AD's check on a tangent's storage (torch.func.jvp): a
+    # question of sizes, answered as ATen does, with no device work.
+    return base.untyped_storage().nbytes() // base.element_size() == other.numel()
+
+
+SPECIAL[aten._has_same_storage_numel.default] = _has_same_storage_numel
 
 
 def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
