@@ -157,6 +157,30 @@ def test_layer_norm_group_norm():
     compare(lambda x: F.group_norm(x, 4), r(2, 4, 5), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_weight_norm_forward_and_backward(dtype):
+    # torch._weight_norm (nn.utils.weight_norm and its parametrization, over
+    # the first or last dim) runs _weight_norm_interface and its backward on
+    # tpu, with CPU's values.
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    for shape, dim in (((3, 4), 0), ((3, 4), 1), ((5, 2, 3), 0), ((5, 2, 3), 2)):
+        torch.manual_seed(0)
+        v = torch.randn(shape, dtype=dtype)
+        g = torch.randn([n if i == dim else 1 for i, n in enumerate(shape)], dtype=dtype)
+        grad = torch.randn(shape, dtype=dtype)
+        results = []
+        for device in ("cpu", "tpu"):
+            vd = v.detach().to(device).requires_grad_()
+            gd = g.detach().to(device).requires_grad_()
+            w = torch._weight_norm(vd, gd, dim)
+            w.backward(grad.to(device))
+            results.append((w, vd.grad, gd.grad))
+        for got, want in zip(results[1], results[0]):
+            assert_same(got, want.detach(), **tol)
+    assert dict(torchtpu.metrics.M.cpu_fallbacks) == before
+
+
 def test_batch_norm_training_updates_running_stats():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm2d(3, momentum=0.3)

@@ -1,5 +1,5 @@
 """Normalization: batch norm (training, no stats, inference), layer norm and
-group norm, with their backwards."""
+group norm, with their backwards; weight norm's backward."""
 import math
 
 import jax.numpy as jnp
@@ -191,3 +191,14 @@ def native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, ou
             gw.astype(wdt) if output_mask[1] else None,
             gb.astype(wdt) if output_mask[2] else None)
 
+
+
+@lower(aten._weight_norm_interface_backward.default)
+def weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    # ATen's, with the sums over every dim but dim: grad_g = sum(grad_w * v) / norm,
+    # grad_v = g / norm * (grad_w - v * sum(grad_w * v) / norm^2).
+    axes = tuple(i for i in range(saved_v.ndim) if i != dim)
+    gw, v, norms = _up(grad_w), _up(saved_v), _up(saved_norms)
+    sums = jnp.sum(gw * v, axis=axes, keepdims=True)
+    grad_v = (_up(saved_g) / norms) * (gw - v * (sums / (norms * norms)))
+    return grad_v.astype(saved_v.dtype), (sums / norms).astype(saved_g.dtype)
