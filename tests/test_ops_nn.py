@@ -1,5 +1,6 @@
 """nn ops on tpu vs CPU, forward and backward: convolution, pooling,
 normalization (with running stats), softmax, losses, attention, LSTM."""
+import copy
 import warnings
 
 import pytest
@@ -588,3 +589,43 @@ def test_bilinear():
             atol=1e-5, rtol=1e-4)
     compare(lambda a, b, w: F.bilinear(a, b, w), r(2, 6, 3), r(2, 6, 4), r(5, 3, 4),
             atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_transformer_encoder_inference_runs_on_tpu_as_on_cpu(mode, no_grad):
+    # In eval mode without autograd PyTorch takes its fast path for the
+    # devices it lists (tpu too): fused CPU kernels, and a nested tensor for
+    # a padding mask. On tpu the ordinary path runs instead, with no CPU
+    # fallback: CPU's fast path values at unpadded positions, CPU's
+    # ordinary path values everywhere.
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    cpu = torch.nn.TransformerEncoder(layer, 2).eval()
+    tpu = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2)
+    tpu.load_state_dict(cpu.state_dict())
+    tpu = tpu.to("tpu").eval()
+    mha_cpu = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    mha_tpu = copy.deepcopy(mha_cpu).to("tpu")
+    x = torch.randn(2, 5, 8)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[1, 3:] = True
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    with no_grad():
+        for mask in (None, pad):
+            fast = cpu(x, src_key_padding_mask=mask)
+            torch.backends.mha.set_fastpath_enabled(False)
+            try:
+                ordinary = cpu(x, src_key_padding_mask=mask)
+                ordinary_mha = mha_cpu(x, x, x, key_padding_mask=mask)
+            finally:
+                torch.backends.mha.set_fastpath_enabled(True)
+            got = tpu(x.to("tpu"), src_key_padding_mask=None if mask is None else mask.to("tpu"))
+            assert torch.backends.mha.get_fastpath_enabled()
+            assert_same(got, ordinary, atol=1e-5, rtol=1e-5)
+            kept = ~pad[..., None] if mask is not None else torch.ones(1, dtype=torch.bool)
+            assert_same(got * kept.to("tpu"), fast * kept, atol=1e-5, rtol=1e-5)
+            out, weights = mha_tpu(*(x.to("tpu"),) * 3,
+                                   key_padding_mask=None if mask is None else mask.to("tpu"))
+            assert_same(out, ordinary_mha[0], atol=1e-5, rtol=1e-5)
+            assert_same(weights, ordinary_mha[1], atol=1e-5, rtol=1e-5)
+    assert dict(torchtpu.metrics.M.cpu_fallbacks) == before

@@ -38,6 +38,10 @@ from .integrations import flex_attention as _flex_attention  # noqa: E402
 
 _flex_attention.install()  # torch.nn.attention.flex_attention on tpu tensors, eagerly
 
+from .integrations import transformer as _transformer  # noqa: E402
+
+_transformer.install()  # nn.TransformerEncoder's inference on tpu: no CPU fast path
+
 import torch.distributed as _dist  # noqa: E402
 
 if _dist.is_available():
