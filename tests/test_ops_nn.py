@@ -142,6 +142,16 @@ def test_softmax_log_softmax(dim):
     compare(lambda t: F.log_softmax(t, dim, dtype=torch.float64), r(3, 4, 5))
 
 
+@pytest.mark.parametrize("dim", [0, -1])
+def test_softmax_log_softmax_of_a_0d_tensor(dim):
+    # A 0-d tensor is one element along dim 0 or -1, as on CPU (nn.Softmax's
+    # ModuleInfo sample): softmax 1, log_softmax 0, their gradients 0.
+    compare(lambda t: F.softmax(t, dim), r(()))
+    compare(lambda t: F.log_softmax(t, dim), r(()))
+    with torch.inference_mode():
+        assert_same(F.softmax(r(()).to(DEV), dim), torch.tensor(1.0))
+
+
 def test_softmax_half():
     x = r(4, 8, dtype=torch.bfloat16)
     out = F.softmax(x.to(DEV), -1)

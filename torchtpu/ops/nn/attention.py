@@ -17,26 +17,31 @@ from .common import _up, aten
 
 # softmax.int / log_softmax.int decompose before dispatch; their lowerings
 # serve the out= variants, which reach the dispatcher.
+def _axis(x, dim):
+    # A 0-d tensor is one element along dim 0 (or -1), as ATen takes it.
+    return dim if x.ndim else None
+
+
 @lower(aten._softmax.default, aten.softmax.int)
 def softmax(x, dim, half_to_float=None):
-    return jax.nn.softmax(_up(x), axis=dim).astype(ctx_dtype())
+    return jax.nn.softmax(_up(x), axis=_axis(x, dim)).astype(ctx_dtype())
 
 
 @lower(aten._log_softmax.default, aten.log_softmax.int)
 def log_softmax(x, dim, half_to_float=None):
-    return jax.nn.log_softmax(_up(x), axis=dim).astype(ctx_dtype())
+    return jax.nn.log_softmax(_up(x), axis=_axis(x, dim)).astype(ctx_dtype())
 
 
 @lower(aten._softmax_backward_data.default)
 def softmax_backward_data(grad, out, dim, input_dtype):
     g, o = _up(grad), _up(out)
-    return (o * (g - jnp.sum(g * o, axis=dim, keepdims=True))).astype(ctx_dtype())
+    return (o * (g - jnp.sum(g * o, axis=_axis(out, dim), keepdims=True))).astype(ctx_dtype())
 
 
 @lower(aten._log_softmax_backward_data.default)
 def log_softmax_backward_data(grad, out, dim, input_dtype):
     g, o = _up(grad), _up(out)
-    return (g - jnp.exp(o) * jnp.sum(g, axis=dim, keepdims=True)).astype(ctx_dtype())
+    return (g - jnp.exp(o) * jnp.sum(g, axis=_axis(out, dim), keepdims=True)).astype(ctx_dtype())
 
 
 # ---- attention ----------------------------------------------------------------
