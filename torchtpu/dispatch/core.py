@@ -506,16 +506,21 @@ _warned_fallback = set()
 
 def _run_other(plan, args, kwargs):
     func = plan.func
+    # An op with a CompositeImplicitAutograd kernel (which reaches here in
+    # inference mode, with autograd's keys off) runs that kernel, CPU's own
+    # composite: some of torch._decomp's entries for such ops are Python
+    # references that take the Python API's arguments (a reduction's name,
+    # not its enum) and would misread the op's.
+    out = func.decompose(*args, **kwargs)
+    if out is not NotImplemented:
+        metrics.M.decompositions[plan.name] += 1
+        return out
     decomp = decomposition_table.get(func)
     if decomp is not None:
         metrics.M.decompositions[plan.name] += 1
         out = decomp(*args, **kwargs)
         if out is not NotImplemented:
             return out
-    out = func.decompose(*args, **kwargs)
-    if out is not NotImplemented:
-        metrics.M.decompositions[plan.name] += 1
-        return out
     if plan.custom_default is not None:
         # A library's custom op with a kernel for tpu or any device (in
         # Python): run it here; its own ops come back through this dispatcher.

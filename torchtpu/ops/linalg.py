@@ -343,6 +343,8 @@ def _cholesky_info(a):
         return L, info
 
     info = jnp.zeros(a.shape[:-2], jnp.int32)
+    if n == 0:  # (traced still, under lax.cond: its step cannot index a 0x0 matrix)
+        return info
     return lax.fori_loop(0, n, step, (jnp.zeros_like(a), info))[1]
 
 
