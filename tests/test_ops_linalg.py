@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import compare
+from conftest import assert_same, compare
 
 DEV = "tpu"
 
@@ -115,6 +115,12 @@ def test_cholesky_family():
     assert info.item() == 1
     with pytest.raises(torch.linalg.LinAlgError):
         torch.linalg.cholesky(-torch.eye(3).to(DEV))
+    for empty in (torch.zeros(0, 0), torch.zeros(2, 0, 0)):  # OpInfo's third sample
+        for upper in (False, True):
+            L, info = torch.linalg.cholesky_ex(empty.to(DEV), upper=upper)
+            want_L, want_info = torch.linalg.cholesky_ex(empty, upper=upper)
+            assert_same(L, want_L)
+            assert_same(info, want_info)
 
 
 def test_decompositions():

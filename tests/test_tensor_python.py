@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import torchtpu
@@ -247,6 +248,27 @@ def test_views_and_item_under_inference_mode(mode):
     with torch.inference_mode():
         out = model(tpu)
     assert out.is_inference() and out.shape == (3, 3)
+
+
+def test_composite_ops_under_inference_mode_as_on_cpu(mode):
+    # With autograd's keys off, ops with a composite kernel reach the device
+    # whole; they run CPU's composite, which reads the op's own arguments
+    # (the reduction as its enum: 'sum' had raised, or given the mean).
+    a, b, y = torch.randn(6), torch.randn(6), torch.randn(6).sign()
+    x, w, target = torch.randn(8, 5), torch.randn(4, 5), torch.randint(0, 4, (8,))
+    cases = [lambda d: F.margin_ranking_loss(a.to(d), b.to(d), y.to(d), margin=0.1, reduction=red)
+             for red in ("mean", "sum", "none")]
+    cases += [lambda d: F.cosine_embedding_loss(x[:6].to(d), x[2:].to(d), y.to(d), reduction="sum"),
+              lambda d: F.hinge_embedding_loss(a.to(d), y.to(d), reduction="sum"),
+              lambda d: F.cross_entropy(x.to(d) @ w.to(d).T, target.to(d), reduction="sum")]
+    if hasattr(nn, "LinearCrossEntropyLoss"):  # torch 2.13
+        loss = nn.LinearCrossEntropyLoss(5, 4, reduction="sum")
+        on_tpu = copy.deepcopy(loss).to("tpu")
+        cases.append(lambda d: (loss if d == "cpu" else on_tpu)(x.to(d), target.to(d)))
+    for i, case in enumerate(cases):
+        with torch.inference_mode():
+            want, got = case("cpu"), case("tpu")
+        assert_same(got, want, atol=1e-5, rtol=1e-5, msg=f"case {i}")
 
 
 # ---- random state: checkpointing with dropout, fork_rng ---------------------------
