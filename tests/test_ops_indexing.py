@@ -219,8 +219,30 @@ def test_embedding_module_step():
     assert_same(emb_t.weight, emb_c.weight.detach())
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_embedding_max_norm_renormalizes_the_rows_it_reads(norm_type):
+    # nn.Embedding(max_norm=) rescales, in place, each row it reads whose
+    # norm is above max_norm (aten.embedding_renorm_), on tpu: no fallback.
+    before = dict(torchtpu.metrics.M.cpu_fallbacks)
+    torch.manual_seed(0)
+    emb_c = torch.nn.Embedding(10, 4, max_norm=1.0, norm_type=norm_type)
+    emb_t = torch.nn.Embedding(10, 4, max_norm=1.0, norm_type=norm_type)
+    emb_t.load_state_dict(emb_c.state_dict())
+    emb_t = emb_t.to("tpu")
+    idx = T([1, 2, 2, 7], [0, 1, 9, 9])
+    outs = [emb(i) for emb, i in ((emb_c, idx), (emb_t, idx.to("tpu")))]
+    for out in outs:
+        out.square().sum().backward()
+    assert_same(outs[1], outs[0].detach(), atol=1e-6, rtol=1e-6)
+    assert_same(emb_t.weight, emb_c.weight.detach(), atol=1e-6, rtol=1e-6)
+    assert_same(emb_t.weight.grad, emb_c.weight.grad, atol=1e-6, rtol=1e-6)
+    assert dict(torchtpu.metrics.M.cpu_fallbacks) == before
+
+
 def test_zero_dim():
     s = torch.tensor(3.5)
+    for mask in (True, False):  # masked_select of 0-d tensors is 1-d
+        check(lambda a: torch.masked_select(a, torch.tensor(mask, device=a.device)), s)
     check(lambda a: a.gather(0, torch.tensor(0, device=a.device)), s)
     check(lambda a: a.index_select(0, torch.tensor([0], device=a.device)), s)
     check(lambda a: a.scatter(0, torch.tensor(0, device=a.device), 1.0), s)

@@ -192,6 +192,11 @@ def test_weight_norm_forward_and_backward(dtype):
     assert dict(torchtpu.metrics.M.cpu_fallbacks) == before
 
 
+def test_group_norm_of_an_empty_batch():
+    compare(lambda x, w, b: F.group_norm(x, 1, w, b), r(0, 2), r(2), r(2))
+    compare(lambda x: F.group_norm(x, 2), r(0, 4, 3))
+
+
 def test_batch_norm_training_updates_running_stats():
     torch.manual_seed(0)
     bn = torch.nn.BatchNorm2d(3, momentum=0.3)

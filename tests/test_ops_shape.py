@@ -128,6 +128,10 @@ def test_cat_out_and_backward():
     ("replicate", (2, 5), (2, 1)), ("replicate", (1, 2, 4, 5), (2, 1, 0, 3)),
     ("replicate", (1, 1, 3, 4, 5), (1, 0, 2, 1, 1, 1)), ("replicate", (2, 5), (-1, 2)),
     ("circular", (2, 5), (2, 1)), ("constant", (2, 3, 5), (1, 2, -1, 1)),
+    # Negative reflect pads crop; the other side reflects about the whole
+    # input's edge, into the cropped part (OpInfo's last pad.reflect sample).
+    ("reflect", (1, 3, 4, 4), (-1, 1, -2, 1)), ("reflect", (1, 3, 5, 6), (-2, 3, -2, 3)),
+    ("reflect", (2, 7), (3, -2)), ("reflect", (1, 1, 4, 5, 6), (-1, 3, 3, -1, -1, -1)),
 ])
 def test_pad_forward_backward(mode_, shape, pad):
     x = make(F32, shape)

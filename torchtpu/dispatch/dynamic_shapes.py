@@ -57,6 +57,8 @@ def _index_put(x, indices, values, accumulate=False):
 
 def _masked_select(x, mask):
     x, mask = dispatch(aten.broadcast_tensors.default, ([x, mask],), {})
+    if x.dim() == 0:  # a 0-d mask selects from one element, as on CPU
+        x, mask = x.reshape(1), mask.reshape(1)
     return _index(x, [mask])
 
 

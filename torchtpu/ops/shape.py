@@ -98,9 +98,19 @@ def _replicate(x, padding, nd):
 
 
 def _reflect(x, padding, nd):
-    width = [(0, 0)] * (x.ndim - nd) + [
-        (padding[2 * i], padding[2 * i + 1]) for i in reversed(range(nd))]
-    return jnp.pad(x, width, mode="reflect")
+    if min(padding) >= 0:
+        width = [(0, 0)] * (x.ndim - nd) + [
+            (padding[2 * i], padding[2 * i + 1]) for i in reversed(range(nd))]
+        return jnp.pad(x, width, mode="reflect")
+    # A negative pad crops, as in PyTorch, and the other side still reflects
+    # about the whole input's edge (its values may lie in the cropped part).
+    for i in range(nd):
+        d = x.ndim - 1 - i
+        lo, hi = padding[2 * i], padding[2 * i + 1]
+        n = x.shape[d]
+        j = jnp.arange(n + lo + hi) - lo
+        x = jnp.take(x, jnp.where(j < 0, -j, jnp.where(j >= n, 2 * (n - 1) - j, j)), axis=d)
+    return x
 
 
 def _pad_mode(pad, nd):

@@ -1,5 +1,5 @@
-"""embedding_bag (sum, mean, max) with its backwards, and dropout's
-backward."""
+"""embedding_bag (sum, mean, max) with its backwards, embedding's max_norm
+renormalization, and dropout's backward."""
 import jax
 import jax.numpy as jnp
 
@@ -101,3 +101,15 @@ def native_dropout_backward(grad, mask, scale):
     return (grad * mask.astype(grad.dtype) * jnp.asarray(scale).astype(grad.dtype)).astype(
         grad.dtype)
 
+
+
+@lower(aten.embedding_renorm.default)
+def embedding_renorm(weight, indices, max_norm, norm_type):
+    # nn.Embedding(max_norm=): each row indices name whose norm is above
+    # max_norm is scaled to it, by max_norm / (norm + 1e-7) as ATen does. A
+    # repeated index writes the same row twice.
+    idx = indices.reshape(-1)
+    rows = _up(weight[idx])
+    norms = jnp.linalg.norm(rows, ord=norm_type, axis=-1, keepdims=True)
+    scale = jnp.where(norms > max_norm, max_norm / (norms + 1e-7), 1)
+    return weight.at[idx].set((rows * scale).astype(weight.dtype))

@@ -154,8 +154,8 @@ def native_layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bi
             gb.astype(bias.dtype) if gb is not None else None)
 
 
-def _group_norm(x, weight, bias, N, C, group, eps):
-    xs = x.reshape(N, group, -1)
+def _group_norm(x, weight, bias, N, C, HxW, group, eps):
+    xs = x.reshape(N, group, C // group * HxW)  # (not -1: N may be 0)
     mean = jnp.mean(xs, axis=-1)
     var = jnp.mean(jnp.square(xs - mean[..., None]), axis=-1)
     rstd = lax.rsqrt(var + eps)
@@ -171,18 +171,18 @@ def _group_norm(x, weight, bias, N, C, group, eps):
 def native_group_norm(x, weight, bias, N, C, HxW, group, eps):
     w = _up(weight) if weight is not None else None
     b = _up(bias) if bias is not None else None
-    out, mean, rstd = _group_norm(_up(x), w, b, N, C, group, eps)
+    out, mean, rstd = _group_norm(_up(x), w, b, N, C, HxW, group, eps)
     return out.astype(x.dtype), mean, rstd
 
 
 @lower(aten.native_group_norm_backward.default)
 def native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, output_mask):
     g = _up(grad)
-    xg = _up(x).reshape(N, group, -1)
+    xg = _up(x).reshape(N, group, C // group * HxW)
     m, r = _up(mean)[..., None], _up(rstd)[..., None]
     xhat = (xg - m) * r
     gxhat = g * _bcast_channel(_up(weight), x.ndim) if weight is not None else g
-    gx = _norm_input_grad(gxhat.reshape(N, group, -1), xhat, r, (2,)).reshape(x.shape)
+    gx = _norm_input_grad(gxhat.reshape(xg.shape), xhat, r, (2,)).reshape(x.shape)
     axes = (0,) + tuple(range(2, x.ndim))
     gw = jnp.sum(g * xhat.reshape(x.shape), axis=axes)
     gb = jnp.sum(g, axis=axes)
