@@ -206,6 +206,18 @@ def test_dropout_train_eval_backward():
     torch.testing.assert_close(d1, d2, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.float16, torch.float32])
+def test_native_dropout_backward_dtypes_as_on_cpu(dtype):
+    # An integer or bool gradient gives float32, scaled, as on CPU (OpInfo's
+    # bool sample: it gave 1 where CPU gives the scale).
+    grad = torch.tensor([[True, False, True], [True, True, False]]).to(dtype)
+    mask = torch.tensor([[True, True, False], [False, True, True]])
+    want = torch.ops.aten.native_dropout_backward(grad, mask, 2.0)
+    got = torch.ops.aten.native_dropout_backward(grad.to(DEV), mask.to(DEV), 2.0)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_distribution_samplers_on_the_device(dtype):
     """torch.distributions' samplers (Gamma, Beta, Dirichlet, Poisson,

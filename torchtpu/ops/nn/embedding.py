@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 
 from ..registry import lower
+from ..util import ctx_dtype
 from .common import _compute_dtype, _up, aten
 
 
@@ -98,8 +99,8 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
 
 @lower(aten.native_dropout_backward.default)
 def native_dropout_backward(grad, mask, scale):
-    return (grad * mask.astype(grad.dtype) * jnp.asarray(scale).astype(grad.dtype)).astype(
-        grad.dtype)
+    out = ctx_dtype()  # grad's, or float32 for an integer or bool grad, as on CPU
+    return grad.astype(out) * mask.astype(out) * jnp.asarray(scale).astype(out)
 
 
 
