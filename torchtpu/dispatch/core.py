@@ -506,20 +506,12 @@ _warned_fallback = set()
 
 def _run_other(plan, args, kwargs):
     func = plan.func
-    # An op with a CompositeImplicitAutograd kernel (which reaches here in
-    # inference mode, with autograd's keys off) runs that kernel, CPU's own
-    # composite: some of torch._decomp's entries for such ops are Python
-    # references that take the Python API's arguments (a reduction's name,
-    # not its enum) and would misread the op's.
-    out = func.decompose(*args, **kwargs)
-    if out is not NotImplemented:
-        metrics.M.decompositions[plan.name] += 1
-        return out
-    decomp = decomposition_table.get(func)
-    if decomp is not None:
-        metrics.M.decompositions[plan.name] += 1
-        out = decomp(*args, **kwargs)
+    # CPU's own composite first (inference mode sends them here): some of
+    # torch._decomp's take the Python API's arguments (a reduction's name).
+    for decomp in (func.decompose, decomposition_table.get(func)):
+        out = NotImplemented if decomp is None else decomp(*args, **kwargs)
         if out is not NotImplemented:
+            metrics.M.decompositions[plan.name] += 1
             return out
     if plan.custom_default is not None:
         # A library's custom op with a kernel for tpu or any device (in
