@@ -158,10 +158,6 @@ def _refuse_replaced_parameters(optimizer, args, kwargs):
 _tensor_data = torch._C.TensorBase.data
 
 
-def _parameter_data(self):
-    return _tensor_data.__get__(self)
-
-
 def _set_parameter_data(self, value):
     """`param.data = t`, t on tpu and param not (FSDP's move to its
     device_id): set_data would refuse the other tensor class, where CUDA
@@ -179,7 +175,7 @@ def _set_parameter_data(self, value):
 
 def install():
     nn.Module._apply = _apply
-    nn.Parameter.data = property(_parameter_data, _set_parameter_data)
+    nn.Parameter.data = property(_tensor_data.__get__, _set_parameter_data)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     register_optimizer_step_pre_hook(_refuse_replaced_parameters)
 

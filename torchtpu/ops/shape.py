@@ -87,14 +87,20 @@ def constant_pad_nd(x, pad, value=0):
     return lax.pad(x, jnp.asarray(value).astype(x.dtype), config)
 
 
-def _replicate(x, padding, nd):
-    # Edge indices, clipped: negative pads crop, as in PyTorch.
+def _pad_by_index(x, padding, nd, source):
+    """x padded along its last nd dims by a gather: source(j, n) is the input
+    index of output position j, counted from the input's start (negative
+    before it); a negative pad crops that side, as in PyTorch."""
     for i in range(nd):
         d = x.ndim - 1 - i
         lo, hi = padding[2 * i], padding[2 * i + 1]
-        idx = jnp.clip(jnp.arange(x.shape[d] + lo + hi) - lo, 0, x.shape[d] - 1)
-        x = jnp.take(x, idx, axis=d)
+        n = x.shape[d]
+        x = jnp.take(x, source(jnp.arange(n + lo + hi) - lo, n), axis=d)
     return x
+
+
+def _replicate(x, padding, nd):
+    return _pad_by_index(x, padding, nd, lambda j, n: jnp.clip(j, 0, n - 1))
 
 
 def _reflect(x, padding, nd):
@@ -102,15 +108,10 @@ def _reflect(x, padding, nd):
         width = [(0, 0)] * (x.ndim - nd) + [
             (padding[2 * i], padding[2 * i + 1]) for i in reversed(range(nd))]
         return jnp.pad(x, width, mode="reflect")
-    # A negative pad crops, as in PyTorch, and the other side still reflects
-    # about the whole input's edge (its values may lie in the cropped part).
-    for i in range(nd):
-        d = x.ndim - 1 - i
-        lo, hi = padding[2 * i], padding[2 * i + 1]
-        n = x.shape[d]
-        j = jnp.arange(n + lo + hi) - lo
-        x = jnp.take(x, jnp.where(j < 0, -j, jnp.where(j >= n, 2 * (n - 1) - j, j)), axis=d)
-    return x
+    # With a pad that crops, the other side still reflects about the whole
+    # input's edge (its values may lie in the cropped part).
+    return _pad_by_index(x, padding, nd, lambda j, n: jnp.where(
+        j < 0, -j, jnp.where(j >= n, 2 * (n - 1) - j, j)))
 
 
 def _pad_mode(pad, nd):

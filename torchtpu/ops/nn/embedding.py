@@ -103,7 +103,6 @@ def native_dropout_backward(grad, mask, scale):
     return grad.astype(out) * mask.astype(out) * jnp.asarray(scale).astype(out)
 
 
-
 @lower(aten.embedding_renorm.default)
 def embedding_renorm(weight, indices, max_norm, norm_type):
     # nn.Embedding(max_norm=): each row indices name whose norm is above

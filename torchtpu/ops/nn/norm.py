@@ -192,7 +192,6 @@ def native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, ou
             gb.astype(wdt) if output_mask[2] else None)
 
 
-
 @lower(aten._weight_norm_interface_backward.default)
 def weight_norm_interface_backward(grad_w, saved_v, saved_g, saved_norms, dim):
     # ATen's, with the sums over every dim but dim: grad_g = sum(grad_w * v) / norm,
