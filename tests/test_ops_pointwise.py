@@ -345,6 +345,20 @@ def test_activation_forward_backward(name, fn, dtype):
     assert torchtpu.metrics.M.cpu_fallbacks.get(name, 0) == 0
 
 
+def test_add_relu_on_device(mode):
+    # relu(a + alpha * b), the op TorchScript's and quantization's fusion passes emit.
+    torchtpu.metrics.reset()
+    a, b = make(F32, (5, 6), seed=1), make(F32, (5, 6), seed=2)
+    for fn in (lambda a, b: torch._VF._add_relu(a, b, alpha=2), lambda a, b: torch._VF._add_relu(a, 1.5),
+               lambda a, b: torch._VF._add_relu_(a.clone(), b)):
+        assert_same(fn(a.to("tpu"), b.to("tpu")), fn(a, b))
+    ints = make(I64, (4,), -3, 3)
+    assert_same(torch._VF._add_relu(ints.to("tpu"), ints.to("tpu")), torch._VF._add_relu(ints, ints))
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+    with pytest.raises(RuntimeError, match="add_relu:bool"):
+        torch._VF._add_relu(torch.ones(2, dtype=torch.bool, device="tpu"), torch.ones(2, dtype=torch.bool, device="tpu"))
+
+
 def test_backward_ops_directly():
     aten = torch.ops.aten
     g, x = make(F32, seed=1), make(F32, seed=2)

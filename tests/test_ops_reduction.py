@@ -297,6 +297,52 @@ def test_unique_on_device(mode, fn, x):
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
 
 
+def _equal_outputs(got, want):
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g.cpu(), w, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("x", [torch.tensor([[1, 2], [0, 5], [1, 2], [1, 2], [0, 5], [0, 4]]),
+                               torch.tensor([[0., 1], [-0., 1], [2, float("nan")], [1, 1], [0, 1]]),
+                               torch.rand(7, 3, 2, generator=torch.Generator().manual_seed(1)) > 0.5,
+                               torch.zeros(0, 3)])
+def test_unique_along_a_dim_on_device(mode, x):
+    # Rows sorted lexicographically as on CPU (-0.0 equal to 0.0); the
+    # inverse and the counts, which aten returns whatever the flags say.
+    torchtpu.metrics.reset()
+    for dim in range(-1, x.dim()):
+        if x.numel() == 0 and x.shape[dim] != 0:
+            continue
+        for fn in (torch.unique, torch.unique_consecutive):
+            _equal_outputs(fn(x.to("tpu"), dim=dim, return_inverse=True, return_counts=True),
+                           fn(x, dim=dim, return_inverse=True, return_counts=True))
+        _equal_outputs(torch.ops.aten.unique_dim(x.to("tpu"), dim), torch.ops.aten.unique_dim(x, dim))
+        _equal_outputs(torch.ops.aten.unique_consecutive(x.to("tpu"), dim=dim),
+                       torch.ops.aten.unique_consecutive(x, dim=dim))
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+    with pytest.raises(RuntimeError, match="aren't selected"):
+        torch.unique(torch.zeros(2, 0, device="tpu"), dim=0)
+
+
+def test_repeat_interleave_with_a_tensor_of_repeats_on_device(mode):
+    # The output's length is read back (with CPU's checks); nothing falls back.
+    torchtpu.metrics.reset()
+    for repeats in (torch.tensor([2, 0, 3]), torch.tensor([1, 4], dtype=torch.int32), torch.tensor([], dtype=torch.long)):
+        _equal_outputs(torch.repeat_interleave(repeats.to("tpu")), torch.repeat_interleave(repeats))
+    x = torch.randn(3, 4)
+    r = torch.tensor([1, 0, 2, 3])
+    _equal_outputs(torch.repeat_interleave(x.to("tpu"), r.to("tpu"), dim=1), torch.repeat_interleave(x, r, dim=1))
+    _equal_outputs(torch.repeat_interleave(r.to("tpu"), output_size=6), torch.repeat_interleave(r, output_size=6))
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+    with pytest.raises(RuntimeError, match="repeats can not be negative"):
+        torch.repeat_interleave(torch.tensor([2, -1], device="tpu"))
+    with pytest.raises(RuntimeError, match="allocated size does not match required size"):
+        torch.repeat_interleave(r.to("tpu"), output_size=5)
+    with pytest.raises(RuntimeError, match="only accept 1D vector"):
+        torch.repeat_interleave(torch.tensor([[1]], device="tpu"))
+
+
 def test_bincount_on_device(mode):
     x = torch.tensor([1, 3, 3, 0])
     w = torch.rand(4, generator=torch.Generator().manual_seed(0))

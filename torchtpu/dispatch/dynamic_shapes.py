@@ -1,5 +1,5 @@
 """Ops whose result size depends on values: nonzero, boolean-mask indexing,
-masked_select, unique, bincount and pack_padded_sequence. Each reads that
+masked_select, unique, repeat_interleave, bincount and pack_padded_sequence. Each reads that
 size back (one scalar, as CUDA does), then runs fixed-shape kernels."""
 import torch
 
@@ -63,19 +63,21 @@ def _masked_select(x, mask):
 
 
 def _runs(values, return_inverse, return_counts):
-    """unique_consecutive of a 1-D tensor: (run values, each element's run
-    index, run lengths); the run count is read back."""
-    n = values.numel()
+    """unique_consecutive along the first dim of values (elements, or rows
+    of a 2-D tensor): (each run's first position, each element's run index,
+    run lengths); the run count is read back."""
+    n = values.shape[0]
     new = torch.ones(n, dtype=torch.bool, device=values.device)
     if n > 1:
-        new[1:] = values[1:] != values[:-1]
+        differs = values[1:] != values[:-1]
+        new[1:] = differs.any(1) if differs.dim() > 1 else differs
     starts = _nonzero(new)[:, 0]
     inverse = torch.cumsum(new, 0) - 1 if return_inverse else None
     counts = None
     if return_counts:
         ends = torch.cat([starts[1:], torch.full((1,), n, dtype=torch.long, device=values.device)])
         counts = ends - starts
-    return values[starts], inverse, counts
+    return starts, inverse, counts
 
 
 def _no_index(x):
@@ -85,20 +87,64 @@ def _no_index(x):
 def _unique2(x, sorted=True, return_inverse=False, return_counts=False):
     flat = x.reshape(-1)
     values, perm = torch.sort(flat, stable=True)
-    out, inverse, counts = _runs(values, return_inverse, True)
+    starts, inverse, counts = _runs(values, return_inverse, True)
     if return_inverse:
         inverse = torch.empty_like(inverse).scatter_(0, perm, inverse).reshape(x.shape)
-    return (out, inverse if return_inverse else _no_index(x),
+    return (values[starts], inverse if return_inverse else _no_index(x),
             counts if return_counts else _no_index(x))
+
+
+def _unique_rows(x, dim, args, kwargs, func):
+    """unique(dim=) or unique_consecutive(dim=) of x, given the permutation
+    that brings equal rows together (None: they are together already).
+    CPU returns the inverse and the counts whatever the flags say."""
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+        return cpu_fallback(plan_of(func), args, kwargs)  # its error
+    if x.numel() == 0:
+        if sum(size == 0 for size in x.shape) > 1:
+            raise RuntimeError("Number of zero sized dimensions is more than one, so unique cannot be applied ")
+        if x.shape[dim] != 0:
+            raise RuntimeError("There are 0 sized dimensions, and they aren't selected, so unique cannot be applied")
+        return torch.empty_like(x), _no_index(x), _no_index(x)
+    rows = x.movedim(dim, 0).reshape(x.shape[dim], -1)
+    if func is aten.unique_consecutive.default:
+        starts, inverse, counts = _runs(rows, True, True)
+        return x.index_select(dim, starts), inverse, counts
+    perm = torch.ops.torchtpu.sort_rows(rows)
+    starts, inverse, counts = _runs(rows[perm], True, True)
+    inverse = torch.empty_like(inverse).scatter_(0, perm, inverse)
+    return x.index_select(dim, perm[starts]), inverse, counts
+
+
+def _unique_dim(x, dim, sorted=True, return_inverse=False, return_counts=False):
+    return _unique_rows(x, dim, (x, dim, sorted, return_inverse, return_counts), {}, aten.unique_dim.default)
 
 
 def _unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
     if dim is not None:
-        return cpu_fallback(plan_of(aten.unique_consecutive.default), (x, return_inverse, return_counts),
-                            {"dim": dim})
-    out, inverse, counts = _runs(x.reshape(-1), return_inverse, return_counts)
-    return (out, inverse.reshape(x.shape) if return_inverse else _no_index(x),
+        return _unique_rows(x, dim, (x, return_inverse, return_counts), {"dim": dim},
+                            aten.unique_consecutive.default)
+    starts, inverse, counts = _runs(x.reshape(-1), return_inverse, return_counts)
+    return (x.reshape(-1)[starts], inverse.reshape(x.shape) if return_inverse else _no_index(x),
             counts if return_counts else _no_index(x))
+
+
+def _repeat_interleave(repeats, output_size=None):
+    """The indices repeat_interleave repeats: i, repeats[i] times. The total
+    and the smallest count are read back (one transfer), as on CPU, which
+    checks both even when given output_size."""
+    if repeats.dim() != 1 or repeats.dtype not in (torch.int32, torch.int64):
+        return cpu_fallback(plan_of(aten.repeat_interleave.Tensor), (repeats,), {"output_size": output_size})
+    if repeats.numel() == 0:
+        return torch.empty(0, dtype=repeats.dtype, device=repeats.device)
+    ends = torch.cumsum(repeats, 0)
+    total, low = download(torch.stack([ends[-1], repeats.min().to(ends.dtype)]), "repeat_interleave").tolist()
+    if low < 0:
+        raise RuntimeError("repeats can not be negative")
+    if output_size is not None and output_size != total:
+        raise RuntimeError("allocated size does not match required size")
+    positions = torch.arange(total, dtype=ends.dtype, device=repeats.device)
+    return torch.searchsorted(ends, positions, right=True).to(repeats.dtype)
 
 
 def _unique(x, sorted=True, return_inverse=False):
@@ -135,6 +181,8 @@ SPECIAL[aten._unique2.default] = _unique2
 SPECIAL[aten._unique.default] = _unique
 SPECIAL[aten.bincount.default] = _bincount
 SPECIAL[aten.unique_consecutive.default] = _unique_consecutive
+SPECIAL[aten.unique_dim.default] = _unique_dim
+SPECIAL[aten.repeat_interleave.Tensor] = _repeat_interleave
 SPECIAL[aten.nonzero.default] = _nonzero
 SPECIAL[aten.nonzero.out] = _into(_nonzero)
 SPECIAL[aten.masked_select.out] = _into(_masked_select)

@@ -8,6 +8,7 @@ from jax import lax
 
 from ..registry import lower
 from ..util import cast, promote
+from .binary import add
 from .common import _is_complex, guard
 from .logic import clamp
 
@@ -23,6 +24,14 @@ def _opmath(*xs):
 @guard("relu", "b", RuntimeError, "Boolean inputs not supported for relu")
 def relu(x):
     return jnp.maximum(x, jnp.zeros((), x.dtype)) if x.dtype != jnp.bool_ else x
+
+
+@lower(aten._add_relu.Tensor, aten._add_relu.Scalar)
+def add_relu(a, b, alpha=1):
+    # relu(a + alpha * b), fused by the JIT's and quantization's passes.
+    if a.dtype == jnp.bool_:
+        raise RuntimeError("Unsupported datatype for add_relu:bool")
+    return relu(add(a, b, alpha))
 
 
 @lower(aten.threshold.default)

@@ -2,6 +2,7 @@
 nanmedian, with the replay of CPU's partition steps that gives equal elements
 CPU's indices (up to REPLAY_MAX elements)."""
 import jax.numpy as jnp
+import torch
 from jax import lax
 
 from ..registry import lower
@@ -268,6 +269,28 @@ def sort(x, dim=-1, descending=False):
 @lower(aten.sort.stable)
 def sort_stable(x, *, stable=None, dim=-1, descending=False):
     return _sort(x, dim, descending, bool(stable))
+
+
+# torchtpu::sort_rows(x): the permutation that sorts the rows of a 2-D x
+# lexicographically, CPU's order for unique(dim=): NaNs equal and last,
+# -0.0 equal to 0.0, equal rows in index order.
+_SORT_LIB = torch.library.Library("torchtpu", "FRAGMENT")
+_SORT_LIB.define("sort_rows(Tensor x) -> Tensor")
+_SORT_LIB.impl("sort_rows", lambda x: x.new_empty(x.shape[:1], dtype=torch.long), "Meta")
+
+
+@lower(torch.ops.torchtpu.sort_rows.default)
+def sort_rows(x):
+    # Stable sorts by each column, last first: one loop whatever the width.
+    def by_column(i, perm):
+        col = lax.dynamic_index_in_dim(x, x.shape[1] - 1 - i, axis=1, keepdims=False)[perm]
+        if jnp.issubdtype(col.dtype, jnp.floating):
+            nan = jnp.isnan(col)
+            keys = (nan.astype(jnp.int8), jnp.where(nan | (col == 0), jnp.zeros((), col.dtype), col))
+        else:
+            keys = (col.astype(jnp.int8) if col.dtype == jnp.bool_ else col,)
+        return lax.sort(keys + (perm,), num_keys=len(keys), is_stable=True)[-1]
+    return lax.fori_loop(0, x.shape[1], by_column, jnp.arange(x.shape[0], dtype=jnp.int64))
 
 
 @lower(aten.argsort.default)
