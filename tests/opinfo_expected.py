@@ -37,8 +37,5 @@ EXPECTED_FAILURES = {
 }
 
 EXPECTED_FALLBACKS = {
-    ('linalg.ldl_factor', 'float32', 'forward'): 'aten.linalg_ldl_factor_ex.default',
-    ('linalg.ldl_factor_ex', 'float32', 'forward'): 'aten.linalg_ldl_factor_ex.default',
-    ('linalg.ldl_solve', 'float32', 'forward'): 'aten.linalg_ldl_solve.default, aten.linalg_ldl_solve.out',
     ('nn.functional.ctc_loss', 'float32', 'backward'): 'aten._ctc_loss_backward.Tensor, aten._ctc_loss_backward.default',
 }

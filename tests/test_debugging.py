@@ -278,7 +278,7 @@ def test_advisor_reports_fallback_churn_and_syncs(monkeypatch):
         model = torch.nn.Linear(3, 1).to("tpu")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         x = torch.randn(4, 3).to("tpu")
-        sym = (torch.eye(3) * 2).to("tpu")
+        sym = (torch.eye(3) * 2).to(torch.complex64).to("tpu")
         for step in range(4):
             loss = model(x).pow(2).mean()
             opt.zero_grad()
@@ -286,7 +286,7 @@ def test_advisor_reports_fallback_churn_and_syncs(monkeypatch):
             opt.step()
             value = loss.item()  # a sync point every step
             item_line = sys._getframe().f_lineno - 1
-            ldl = torch.linalg.ldl_factor(sym)  # a CPU fallback
+            ldl = torch.linalg.ldl_factor(sym)  # a CPU fallback (complex)
             fallback_line = sys._getframe().f_lineno - 1
         for n in range(advisor.CHURN_KERNELS + 2):  # a recompilation storm
             torch.ones(7, 1000 + n, device="tpu").tanh()

@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import torchtpu
+
 from conftest import assert_same, compare
 
 DEV = "tpu"
@@ -227,8 +229,6 @@ def test_lstsq(driver):
     cases = [((5, 3), (5, 2)), ((3, 5), (3, 2)), ((2, 5, 3), (2, 5)), ((1, 5, 3), (2, 5, 2)),
              ((5, 0), (5, 2))]
     for sa, sb in cases:
-        if driver in ("gelsd", "gelss") and sa[-2] > sa[-1]:
-            continue  # residuals' shape depends on the rank: the CPU fallback
         fn = lambda a, b: tuple(torch.linalg.lstsq(a, b, driver=driver))  # noqa: E731
         compare(fn, r(*sa, dtype=torch.float64), r(*sb, dtype=torch.float64), grad=False)
     compare(lambda a, b: torch.linalg.lstsq(a, b, driver=driver).solution,
@@ -282,17 +282,61 @@ def test_low_precision_rounding_like_cpu():
     exact(torch.linalg.cross, m(20, 3), m(20, 3))
 
 
-def test_cpu_fallback_keeps_lazy_conjugation():
-    # gelsd with m > n runs on the CPU fallback (its residuals' shape depends
-    # on the rank); its CPU kernel conjugates through lazy views, which must
-    # still resolve when called from inside the dispatcher.
+def test_lstsq_residuals_only_at_full_rank(mode):
+    # gelsd and gelss give residuals (m > n) only when every matrix has full
+    # rank, as on CPU: the ranks are read back; nothing falls back.
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(2, 6, 3, dtype=torch.complex64, generator=g)
-    b = torch.randn(2, 6, 2, dtype=torch.complex64, generator=g)
-    want = torch.linalg.lstsq(a, b, driver="gelsd")
-    got = torch.linalg.lstsq(a.to("tpu"), b.to("tpu"), driver="gelsd")
-    torch.testing.assert_close(got.residuals.cpu(), want.residuals)
-    torch.testing.assert_close(got.solution.cpu(), want.solution)
+    a = torch.randn(2, 6, 3, dtype=torch.float64, generator=g)
+    b = torch.randn(2, 6, 2, dtype=torch.float64, generator=g)
+    deficient = a.clone()
+    deficient[0, :, 2] = deficient[0, :, 1]
+    torchtpu.metrics.reset()
+    for driver in ("gelsd", "gelss"):
+        for x in (a, deficient, a.to(torch.complex128)):
+            want = torch.linalg.lstsq(x, b.to(x.dtype), driver=driver)
+            got = torch.linalg.lstsq(x.to("tpu"), b.to(x.dtype).to("tpu"), driver=driver)
+            for w, t in zip(want, got):
+                assert t.shape == w.shape and t.dtype == w.dtype
+                torch.testing.assert_close(t.cpu(), w)
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+
+
+def test_cpu_fallback_keeps_lazy_conjugation():
+    # Complex LDL runs on the CPU fallback; a lazily conjugated input must
+    # still resolve when its CPU kernel is called from inside the dispatcher.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 4, 4, dtype=torch.complex64, generator=g)
+    a = (a + a.mH).conj()
+    assert a.is_conj()
+    want = torch.linalg.ldl_factor(a, hermitian=True)
+    got = torch.linalg.ldl_factor(a.to("tpu"), hermitian=True)
+    torch.testing.assert_close(got.LD.cpu(), want.LD)
+    assert torch.equal(got.pivots.cpu(), want.pivots)
+
+
+def test_ldl_factor_and_solve_as_on_cpu(mode):
+    # LAPACK's Bunch-Kaufman pivoting (sytf2, lower): the same pivots and info
+    # as CPU, 1x1 and 2x2 blocks, a singular batch member; then solves.
+    g = torch.Generator().manual_seed(0)
+    torchtpu.metrics.reset()
+    for n in (1, 2, 5, 12):
+        a = torch.randn(3, n, n, dtype=torch.float64, generator=g)
+        a = a + a.mT
+        a[1].diagonal().mul_(0.01)  # small pivots: 2x2 blocks and interchanges
+        a[2, :, 0] = a[2, 0, :] = 0  # a zero column: info > 0
+        want = torch.linalg.ldl_factor_ex(a)
+        got = torch.linalg.ldl_factor_ex(a.to("tpu"))
+        for w, t in zip(want, got):
+            assert t.dtype == w.dtype and t.shape == w.shape
+            torch.testing.assert_close(t.cpu(), w, rtol=1e-12, atol=1e-12)
+        b = torch.randn(2, n, 3, dtype=torch.float64, generator=g)
+        ld, piv = want.LD[:2], want.pivots[:2]
+        torch.testing.assert_close(torch.linalg.ldl_solve(ld.to("tpu"), piv.to("tpu"), b.to("tpu")).cpu(),
+                                   torch.linalg.ldl_solve(ld, piv, b))
+    assert (got.pivots < 0).any() and got.info[2].item() > 0
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+    with pytest.raises(RuntimeError, match="ldl_factor"):
+        torch.linalg.ldl_factor(torch.zeros(2, 2, dtype=torch.float64, device="tpu"))
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])

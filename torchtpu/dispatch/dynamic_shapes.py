@@ -1,6 +1,7 @@
 """Ops whose result size depends on values: nonzero, boolean-mask indexing,
-masked_select, unique, repeat_interleave, bincount and pack_padded_sequence. Each reads that
-size back (one scalar, as CUDA does), then runs fixed-shape kernels."""
+masked_select, unique, repeat_interleave, bincount, lstsq's residuals and
+pack_padded_sequence. Each reads that size back (one scalar, as CUDA
+does), then runs fixed-shape kernels."""
 import torch
 
 from ..ops.indexing import is_mask
@@ -167,6 +168,18 @@ def _bincount(x, weights=None, minlength=0):
     return torch.zeros(size, dtype=dtype, device=x.device).index_add_(0, x, weights.to(dtype))
 
 
+def _lstsq(a, b, rcond=None, *, driver=None):
+    """gelsd and gelss return residuals (m > n) only when every matrix has
+    full rank: the ranks are read back to say which."""
+    out = _run_accepted(plan_of(aten.linalg_lstsq.default), (a, b, rcond), {"driver": driver})
+    m, n = a.shape[-2:]
+    if driver in ("gelsd", "gelss") and m > n and n > 0:
+        solution, residuals, rank, values = out
+        if not download((rank == n).all(), "linalg_lstsq").item():
+            return solution, residuals.new_empty(0), rank, values
+    return out
+
+
 def _pack_padded_sequence(input, lengths, batch_first):
     """PyTorch's own composite kernel, as for a CUDA input: `lengths` and the
     `batch_sizes` it returns live on the host (where the RNN ops and
@@ -183,6 +196,7 @@ SPECIAL[aten.bincount.default] = _bincount
 SPECIAL[aten.unique_consecutive.default] = _unique_consecutive
 SPECIAL[aten.unique_dim.default] = _unique_dim
 SPECIAL[aten.repeat_interleave.Tensor] = _repeat_interleave
+SPECIAL[aten.linalg_lstsq.default] = _lstsq
 SPECIAL[aten.nonzero.default] = _nonzero
 SPECIAL[aten.nonzero.out] = _into(_nonzero)
 SPECIAL[aten.masked_select.out] = _into(_masked_select)

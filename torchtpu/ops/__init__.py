@@ -16,5 +16,5 @@ from .registry import (LOWERINGS, TraceContext, ctx, lower, matmul_setting,  # n
 
 
 def load_all():
-    from . import (creation, fft, indexing, linalg, nn, optim, pointwise, random,  # noqa: F401
+    from . import (creation, fft, indexing, ldl, linalg, nn, optim, pointwise, random,  # noqa: F401
                    reduction, shape, special)

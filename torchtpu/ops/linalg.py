@@ -609,9 +609,11 @@ def linalg_eigvals(a):
 def linalg_lstsq(a, b, rcond=None, *, driver=None):
     """Through the SVD of A: for full-rank A every LAPACK driver's solution
     (the least-squares one, minimum-norm when m < n). The outputs are shaped
-    as on CPU: residuals when m > n and the driver is not gelsy, rank unless
-    gels, singular values for gelsd and gelss (rank and singular values over
-    A's batch dims, not the broadcast ones)."""
+    as on CPU: residuals when m > n and the driver is not gelsy (gelsd and
+    gelss drop them unless every matrix has full rank, which
+    dispatch/dynamic_shapes.py reads back), rank unless gels, singular
+    values for gelsd and gelss (rank and singular values over A's batch
+    dims, not the broadcast ones)."""
     driver = driver or "gelsy"
     m, n = a.shape[-2:]
     real = jnp.finfo(a.dtype).dtype
@@ -630,17 +632,11 @@ def linalg_lstsq(a, b, rcond=None, *, driver=None):
     if m > n and driver != "gelsy":
         res = jnp.matmul(a, x, precision=HIGHEST) - bm
         residuals = jnp.sum(jnp.real(res * jnp.conj(res)), axis=-2)
-        if n == 0:
-            residuals = jnp.zeros_like(residuals)  # LAPACK zeroes B and returns
+        if n == 0 and driver == "gels":
+            residuals = jnp.zeros_like(residuals)  # LAPACK's gels zeroes B and returns
     rank = jnp.zeros((0,), jnp.int64) if driver == "gels" else jnp.sum(keep, axis=-1).astype(jnp.int64)
     sv = s if driver in ("gelsd", "gelss") else empty
     return (x[..., 0] if vec else x), residuals, rank, sv
-
-
-# gelsd and gelss return residuals only when every matrix has full rank: a
-# shape that depends on the values, left to the CPU fallback.
-linalg_lstsq.accepts = lambda a, b, rcond=None, *, driver=None: not (
-    driver in ("gelsd", "gelss") and a.shape[-2] > a.shape[-1])
 
 
 @lower(aten.geqrf.default)
