@@ -15,25 +15,25 @@ EXPECTED_FAILURES = {
     ('matrix_exp', 'float32', 'backward'):
         "outputs near 1e5 after 5-6 squarings: CPU's own error against the exact value (~0.05) is beyond the default tolerance; only MKL's exact product order would match (values differ from CPU: AssertionError: Tensor-likes are not close! Mismatched elements: 4 / 25 (16.0%))",
     ('sparse.mm.reduce', 'bfloat16', 'forward'):
-        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False))',
     ('sparse.mm.reduce', 'float32', 'backward'):
-        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False))',
     ('sparse.mm.reduce', 'float32', 'forward'):
-        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False))',
     ('sparse.sampled_addmm', 'float32', 'backward'):
-        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False))',
     ('sparse.sampled_addmm', 'float32', 'forward'):
-        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU))',
+        'sparse layouts are not supported on tpu (raises on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False))',
     ('to_sparse', 'bfloat16', 'forward'):
-        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU)',
+        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False)',
     ('to_sparse', 'bool', 'forward'):
-        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU)',
+        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False)',
     ('to_sparse', 'float32', 'backward'):
-        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU)',
+        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False)',
     ('to_sparse', 'float32', 'forward'):
-        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU)',
+        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False)',
     ('to_sparse', 'int64', 'forward'):
-        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU)',
+        'not implemented on tpu: NotImplementedError: tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False)',
 }
 
 EXPECTED_FALLBACKS = {

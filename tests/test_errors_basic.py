@@ -198,3 +198,10 @@ def test_sparse_layouts_are_refused_clearly():
     for sparse in (torch.randn(3, 3).to_sparse(), torch.randn(3, 3).to_sparse_csr()):
         with pytest.raises(NotImplementedError, match="sparse layouts are not supported on tpu"):
             sparse.to("tpu")
+    # Modules whose backward makes sparse gradients (on the CPU fallback for
+    # EmbeddingBag): the same error, naming the way out.
+    idx = torch.tensor([[0, 1, 2], [1, 2, 3]], device="tpu")
+    for module in (torch.nn.Embedding(4, 3, sparse=True), torch.nn.EmbeddingBag(4, 3, sparse=True)):
+        out = module.to("tpu")(idx)
+        with pytest.raises(NotImplementedError, match="sparse layouts are not supported on tpu.*sparse=False"):
+            out.sum().backward()

@@ -495,6 +495,17 @@ def test_upsample_1d_3d_exact():
             atol=1e-5, rtol=1e-4)
 
 
+def test_nearest_upsample_of_an_empty_batch():
+    # PyTorch's meta kernel hands torch._check an int for an empty input (a
+    # TypeError); CPU's kernel on the empty tensors answers instead: CPU's
+    # shapes for a batch of 0, CPU's error for an empty channel dim.
+    for shape, size in (((0, 2, 4), 12), ((0, 2, 4, 3), (8, 6)), ((0, 1, 2, 3, 4), (3, 4, 5))):
+        for how in ("nearest", "nearest-exact"):
+            compare(lambda t: F.interpolate(t, size, mode=how), torch.randn(shape))
+    with pytest.raises(RuntimeError, match="Non-empty 3D data tensor expected"):
+        F.interpolate(torch.randn(2, 0, 4, device="tpu"), 12, mode="nearest")
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
 @pytest.mark.parametrize("align", [False, True])
 def test_upsample_bicubic_and_antialias(mode, align):

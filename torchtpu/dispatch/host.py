@@ -3,15 +3,24 @@ concrete array (waiting for its executor) and its download."""
 import functools
 import math
 
+import torch
+
 from .. import cache, errors, modes, profiling, runtime
 from ..compat import aten
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, View, Window, grown_view, read_view, read_view_at
+
+
+def no_sparse(*args, **kwargs):
+    raise NotImplementedError("tpu tensors are dense: sparse layouts are not supported on tpu (keep sparse "
+                              "tensors on the CPU; nn.Embedding and nn.EmbeddingBag take sparse=False)")
 
 
 def to_tpu(t, non_blocking=False, device=0):
     """A CPU tensor -> a new TpuTensor on tpu:device holding a copy;
     non_blocking (from a pinned tensor) starts the transfer and returns
     (runtime.to_device)."""
+    if t.layout != torch.strided:  # a sparse result of the CPU fallback
+        no_sparse()
     with profiling.span(lambda: f"torchtpu upload {list(t.shape)} {t.dtype}"):
         arr = runtime.to_device(t, runtime.DEVICES[device], non_blocking=non_blocking)
     return TpuTensor(Storage(arr, device), tuple(t.shape), t.dtype)

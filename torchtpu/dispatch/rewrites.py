@@ -9,7 +9,7 @@ import math
 import torch
 
 from .core import _run_lowered, dispatch, plan_of
-from .host import download
+from .host import download, no_sparse
 from .plans import SPECIAL
 from .transfers import _copy_, _into, _local_scalar_dense
 
@@ -125,18 +125,13 @@ def _batch_norm_with_update(input, weight, bias, running_mean, running_var, mome
 SPECIAL[aten._batch_norm_with_update.default] = _batch_norm_with_update
 
 
-def _no_sparse(*args, **kwargs):
-    raise NotImplementedError("tpu tensors are dense: sparse layouts are not supported on tpu "
-                              "(keep sparse tensors on the CPU)")
-
-
 # Conversions to sparse, and sparse tensors built on tpu (a sparse CPU
 # tensor's .to("tpu")).
 for _name in ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc",
               "_sparse_coo_tensor_with_dims_and_tensors", "_sparse_coo_tensor_with_dims",
               "_sparse_compressed_tensor_unsafe", "sparse_compressed_tensor"):
     for _overload in getattr(aten, _name).overloads():
-        SPECIAL[getattr(getattr(aten, _name), _overload)] = _no_sparse
+        SPECIAL[getattr(getattr(aten, _name), _overload)] = no_sparse
 
 
 # x |= m and friends: PyTorch's decomposition calls the out-of-place
