@@ -188,6 +188,26 @@ def test_view_as_real_complex_and_parts():
     assert_same(r.to("tpu").real, r)  # a real tensor's .real is itself
 
 
+def test_view_copy_ops_and_the_negative_bit(mode):
+    # The X_copy ops (functionalized programs and torch.func's map emit them)
+    # copy X's view out contiguous; _neg_view's bit is materialized, as _conj's.
+    aten = torch.ops.aten
+    x = make(torch.float32, (4, 6, 2))
+    c = torch.view_as_complex(make(torch.float32, (3, 2), seed=1))
+    cases = [(aten.select_copy.int, (x, 1, 2)), (aten.slice_copy.Tensor, (x, 1, 1, 5, 2)),
+             (aten.split_copy.Tensor, (x, 4, 1)), (aten.detach_copy.default, (x,)),
+             (aten.view_as_real_copy.default, (c,)), (aten.view_as_complex_copy.default, (torch.view_as_real(c),)),
+             (aten._conj_copy.default, (c,)), (aten._neg_view_copy.default, (x,)), (aten._neg_view.default, (x,))]
+    torchtpu.metrics.reset()
+    for op, args in cases:
+        want = op(*args)
+        got = op(*[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
+        for g, w in zip(got if isinstance(got, (list, tuple)) else [got], want if isinstance(want, (list, tuple)) else [want]):
+            assert g.shape == w.shape and g.dtype == w.dtype, op
+            assert torch.equal(g.cpu(), w.resolve_neg()), op
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+
+
 def test_as_strided_scatter():
     x = make(F32, (4, 4))
     src = make(F32, (2, 2), seed=3)

@@ -42,6 +42,10 @@ from .integrations import transformer as _transformer  # noqa: E402
 
 _transformer.install()  # nn.TransformerEncoder's inference on tpu: no CPU fast path
 
+from .integrations import control_flow as _control_flow  # noqa: E402
+
+_control_flow.install()  # torch.cond, while_loop, map, scan on tpu tensors, eagerly
+
 import torch.distributed as _dist  # noqa: E402
 
 if _dist.is_available():

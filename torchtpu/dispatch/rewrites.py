@@ -125,6 +125,27 @@ def _batch_norm_with_update(input, weight, bias, running_mean, running_var, mome
 SPECIAL[aten._batch_norm_with_update.default] = _batch_norm_with_update
 
 
+def _view_then_copy(view):
+    """An X_copy op: view X's result, copied out contiguous (as its CPU kernel)."""
+    def run(*args, **kwargs):
+        out = dispatch(view, args, kwargs)
+        if isinstance(out, (list, tuple)):
+            return [dispatch(aten.clone.default, (t,), _CONTIGUOUS) for t in out]
+        return dispatch(aten.clone.default, (out,), _CONTIGUOUS)
+    return run
+
+
+_CONTIGUOUS = {"memory_format": torch.contiguous_format}
+# The view-copy ops torch._decomp has no entry for (functionalized programs
+# and torch.func's map emit them).
+for _name, _overload in (("select_copy", "int"), ("slice_copy", "Tensor"), ("split_copy", "Tensor"),
+                         ("detach_copy", "default"), ("view_as_real_copy", "default"),
+                         ("view_as_complex_copy", "default"), ("_conj_copy", "default"),
+                         ("_neg_view_copy", "default")):
+    SPECIAL[getattr(getattr(aten, _name), _overload)] = _view_then_copy(
+        getattr(getattr(aten, _name[:-len("_copy")]), _overload))
+
+
 # Conversions to sparse, and sparse tensors built on tpu (a sparse CPU
 # tensor's .to("tpu")).
 for _name in ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc",

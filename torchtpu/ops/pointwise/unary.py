@@ -94,6 +94,13 @@ def conj(x):
     return jnp.conj(x) if _is_complex(x) else x
 
 
+@lower(aten._neg_view.default)
+def neg_view(x):
+    # The same for the negative bit (set by _neg_view, read through .imag of
+    # a conjugate): materialize the negation.
+    return jnp.negative(x)
+
+
 @lower(aten.complex.default)
 def complex_(real, imag):
     # The decomposition writes through result.real/.imag views, which a
