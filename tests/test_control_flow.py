@@ -51,3 +51,34 @@ def test_a_model_branching_with_cond_trains_as_on_cpu(mode):
     for p, q in zip(cpu.parameters(), tpu.parameters()):
         torch.testing.assert_close(q.grad.cpu(), p.grad)
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+
+
+def test_compiled_graphs_holding_cond_run_eagerly_as_on_cpu():
+    # torch.compile(backend="tpu") runs a graph holding a control-flow op op
+    # by op (graph_fallbacks says so), forward and backward; export works.
+    from torchtpu import compiled
+
+    class Branching(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.linear(x)
+            return torch.cond(h.sum() > 0, lambda h: h.sin(), lambda h: h.cos(), (h,))
+
+    torch.manual_seed(0)
+    cpu = Branching()
+    tpu = Branching().to("tpu")
+    tpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(3, 4)
+    want = cpu(x)
+    want.sum().backward()
+    before = compiled.graph_fallbacks.get("control flow (cond)", 0)
+    got = torch.compile(tpu, backend="tpu")(x.to("tpu"))
+    got.sum().backward()
+    torch.testing.assert_close(got.cpu(), want)
+    torch.testing.assert_close(tpu.linear.weight.grad.cpu(), cpu.linear.weight.grad)
+    assert compiled.graph_fallbacks.get("control flow (cond)", 0) > before
+    exported = torch.export.export(tpu, (x.to("tpu"),))
+    torch.testing.assert_close(exported.module()(x.to("tpu")).cpu(), want)

@@ -21,9 +21,9 @@ kind traces again. Index checks stay: the computation takes and returns the
 device's running bounds flag, and each call notes the checks it made.
 Graphs this cannot serve exactly run op by op through the dispatcher in the
 current eager mode, as before, and say why in `graph_fallbacks`: random ops
-(a traced function would draw the same numbers on every call), CPU tensor
-inputs, inputs over a grown storage (dispatch/growth.py), symbolic sizes,
-and NaN/Inf checks being on.
+(a traced function would draw the same numbers on every call), control flow
+(torch.cond, while_loop: run eagerly), CPU tensor inputs, inputs over a grown
+storage (dispatch/growth.py), symbolic sizes, and NaN/Inf checks being on.
 """
 import contextlib
 import copy
@@ -36,6 +36,7 @@ import torch
 
 from . import bounds, cache, errors, modes
 from .dispatch.build import Kernel, physical_order
+from .integrations import control_flow
 from .dispatch.keys import Const
 from .modes import checks
 from .ops import matmul_setting
@@ -50,7 +51,11 @@ def _fallback_reason(gm):
     if checks.CHECK_NANS:
         return "nan checks"
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function":
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and node.target.name() in control_flow.NAMES:
+            return f"control flow ({node.target.name()})"
+        if not isinstance(node.target, torch._ops.OpOverload):
             continue
         if torch.Tag.nondeterministic_seeded in node.target.tags:
             return f"random op {node.target}"

@@ -30,6 +30,26 @@ _OPS = {
 }
 
 
+# Every op above, by name (torch.compile's graphs holding one run op by op).
+NAMES = frozenset(name for names in _OPS.values() for name in names)
+
+
+def pass_aot_analyzer(ops):
+    """Let ops() (higher-order ops) through AOTAutograd's first run of a
+    compiled graph, which watches custom ops for aliasing under a dispatch
+    mode that answers NotImplemented for tensor subclasses: a higher-order
+    op returns that answer as its result (torch 2.13) instead of going on to
+    the TpuTensor kernel. The mode checks no higher-order op."""
+    def passing(module):
+        analyzer = getattr(module, "_AnalyzeCustomOpInputOutputMode", None)
+        if analyzer is None:
+            return
+        for op in ops():
+            if analyzer not in op.python_key_table:
+                op.py_impl(analyzer)(lambda mode, *args, op=op, **kwargs: op(*args, **kwargs))
+    when_imported("torch._functorch._aot_autograd.runtime_wrappers", passing)
+
+
 def _register(names):
     def register(module):
         for op in list(vars(module).values()):
@@ -38,6 +58,7 @@ def _register(names):
             dense = op.py_kernels.get(DispatchKey.CompositeExplicitAutograd) or op.py_kernels.get(DispatchKey.CPU)
             if dense is not None and TpuTensor not in op.python_key_table:
                 op.py_impl(TpuTensor)(dense)
+                pass_aot_analyzer(lambda op=op: (op,))  # torch.compile's graphs run them eagerly
     return register
 
 

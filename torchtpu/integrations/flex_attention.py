@@ -22,16 +22,19 @@ dense the same way. So a tpu tensor needs four things:
 
 torch.compile(flex_attention) with the `tpu` backend runs the same kernels
 inside its graphs, once AOTAutograd's first-call check lets the op through
-(_pass_aot_analyzer); fused mode cannot serve those graphs yet (it traces a
-compiled graph again when it flushes, where vmap cannot run).
+(control_flow.pass_aot_analyzer); fused mode cannot serve those graphs yet
+(it traces a compiled graph again when it flushes, where vmap cannot run).
 
 An error inside the backward op is raised when the backward pass ends: an
 exception leaving a backward node on this device aborts the process
 (torchtpu.errors.raise_after_backward).
 """
+import importlib
+
 import torch
 from torch._C import DispatchKey
 
+from . import control_flow
 from .. import errors
 from ..tensor import DEVICE, TpuTensor
 from .after_import import when_imported
@@ -130,25 +133,10 @@ def _register_kernels(hop):
     hop.create_fw_bw_graph = create_fw_bw_graph
 
 
-def _pass_aot_analyzer(module):
-    """AOTAutograd's first run of a compiled graph watches custom ops for
-    aliasing under a dispatch mode that answers NotImplemented for tensor
-    subclasses, and a higher-order op returns that answer as its result
-    (torch 2.13) instead of going on to the TpuTensor kernel. The mode
-    checks no higher-order op: both ops run without it."""
-    analyzer = getattr(module, "_AnalyzeCustomOpInputOutputMode", None)
-    if analyzer is None:
-        return
-    import importlib
-    hop = importlib.import_module(_HOP_MODULE)
-    for op in (hop.flex_attention, hop.flex_attention_backward):
-        if analyzer not in op.python_key_table:
-            op.py_impl(analyzer)(lambda mode, *args, op=op, **kwargs: op(*args, **kwargs))
-
-
 def install():
     when_imported(_HOP_MODULE, _register_kernels)
     when_imported("torch.nn.attention.flex_attention", _patch_validation)
     # torch.compile(flex_attention) on tpu tensors: the `tpu` backend runs
     # the op's graph through these same kernels.
-    when_imported("torch._functorch._aot_autograd.runtime_wrappers", _pass_aot_analyzer)
+    control_flow.pass_aot_analyzer(lambda: (importlib.import_module(_HOP_MODULE).flex_attention,
+                                            importlib.import_module(_HOP_MODULE).flex_attention_backward))
