@@ -41,6 +41,15 @@ def _t5():
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, tie_word_embeddings=True))
 
 
+def _mixtral():
+    # Sparse mixture of experts: top-2 routing over 4 experts, run by
+    # transformers' grouped experts path (a sort, histc of the expert ids).
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, attn_implementation="sdpa"))
+
+
 def _ties(model):
     """The parameter names of the model, grouped by the parameter they name."""
     groups = {}
@@ -76,7 +85,7 @@ def _train_parity(make, compile_backend=None):
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2, _bert, _t5], ids=["llama", "gpt2", "bert", "t5"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _bert, _t5, _mixtral], ids=["llama", "gpt2", "bert", "t5", "mixtral"])
 def test_training_parity(mode, make):
     _train_parity(make)
 

@@ -282,6 +282,40 @@ def test_low_precision_rounding_like_cpu():
     exact(torch.linalg.cross, m(20, 3), m(20, 3))
 
 
+def test_grouped_mm_as_on_cpu(mode):
+    # Mixture-of-experts matmuls: groups along a's rows (2-D x 3-D), b's
+    # columns (3-D x 2-D), the shared K (2-D x 2-D), and bmm; float32 and
+    # bf16, with gradients; rows past the last group are unset on CPU.
+    g = torch.Generator().manual_seed(0)
+    offs = lambda *ends: torch.tensor(ends, dtype=torch.int32)  # noqa: E731
+    cases = [((6, 8), (2, 8, 8), offs(2, 4)), ((2, 5, 8), (8, 8), offs(4, 8)),
+             ((4, 16), (16, 8), offs(8, 16)), ((2, 5, 8), (2, 8, 8), None), ((6, 8), (2, 8, 8), offs(0, 6))]
+    torchtpu.metrics.reset()
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else {}
+        for sa, sb, ends in cases:
+            a = torch.randn(sa, generator=g).to(dtype).requires_grad_()
+            b = torch.randn(sb, generator=g).to(dtype).requires_grad_()
+            at, bt = (x.detach().to("tpu").requires_grad_() for x in (a, b))
+            want = torch._grouped_mm(a, b, ends)
+            got = torch._grouped_mm(at, bt, None if ends is None else ends.to("tpu"))
+            assert got.dtype == want.dtype and got.shape == want.shape
+            rows = slice(0, int(ends[-1]) if ends is not None and len(sa) == 2 and len(sb) == 3 else None)
+            torch.testing.assert_close(got.detach().cpu()[rows], want.detach()[rows], **tol)
+            cot = torch.randn(want.shape, generator=g).to(dtype)
+            if rows.stop is not None:
+                cot[rows.stop:] = 0
+            want.backward(cot)
+            got.backward(cot.to("tpu"))
+            torch.testing.assert_close(at.grad.cpu()[rows], a.grad[rows], **tol)
+            torch.testing.assert_close(bt.grad.cpu(), b.grad, **tol)
+    # Sizes CPU's kernel refuses (rows not 16-byte aligned) run on tpu.
+    a, b = torch.randn(5, 3, generator=g), torch.randn(2, 3, 7, generator=g)
+    got = torch._grouped_mm(a.to("tpu"), b.to("tpu"), offs(2, 5).to("tpu")).cpu()
+    torch.testing.assert_close(got, torch.cat([a[:2] @ b[0], a[2:] @ b[1]]))
+    assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == {}
+
+
 def test_lstsq_residuals_only_at_full_rank(mode):
     # gelsd and gelss give residuals (m > n) only when every matrix has full
     # rank, as on CPU: the ranks are read back; nothing falls back.

@@ -251,8 +251,17 @@ def test_histograms():
     y = torch.randn(200, 3, generator=torch.Generator().manual_seed(2))
     w = torch.rand(200, generator=torch.Generator().manual_seed(3))
     check(lambda t, w: torch.histogramdd(t, [3, 4, 5], weight=w, density=True)[0], y, w)
+    # Integer input: CUDA's histc (CPU has none; Hugging Face's grouped MoE
+    # experts count tokens per expert with it on every device but CPU and
+    # MPS): the float histogram's counts, in the input's dtype.
+    ints = torch.tensor([0, 1, 1, 3, 2, 3, 3, 5, -1, 9])
+    for dtype in (torch.int32, torch.int64):
+        for bins, lo, hi in ((4, 0, 3), (3, 0, 0), (5, 0, 9), (4, 0.5, 3.7)):
+            got = torch.histc(ints.to(dtype).to("tpu"), bins, lo, hi)
+            assert got.dtype == dtype
+            assert torch.equal(got.cpu(), torch.histc(ints.float(), bins, int(lo), int(hi)).to(dtype))
     with pytest.raises(NotImplementedError):
-        torch.histc(torch.arange(5).to("tpu"))
+        torch.histc(torch.ones(5, dtype=torch.bool, device="tpu"))
 
 
 def test_segment_reduce_nan_ties_and_gradients():

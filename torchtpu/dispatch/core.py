@@ -242,7 +242,8 @@ def _run_lowered(plan, args, kwargs):
                 plan.functional, *_functional_args(plan, args, kwargs)))
         else:
             out_meta = meta_outcome(plan, pos_specs, kw_specs, lambda: run_meta(
-                plan.func, args, kwargs, getattr(plan.lowering, "meta_contiguous", False)))
+                plan.func, args, kwargs, getattr(plan.lowering, "meta_contiguous", False),
+                getattr(plan.lowering, "meta_args", None)))
         fix = getattr(plan.lowering, "result_dtypes", None)
         if fix is not None and out_meta is not None:
             # Where CPU's kernel and PyTorch's meta kernel disagree on dtypes.

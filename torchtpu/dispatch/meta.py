@@ -164,12 +164,16 @@ def _on_empty_cpu(out):
     return out
 
 
-def run_meta(func, args, kwargs, contiguous=False):
+def run_meta(func, args, kwargs, contiguous=False, adapt=None):
     """PyTorch's own shape/dtype inference and error checks for this call, or
     None when the op has no meta kernel. contiguous: give it contiguous
-    inputs (view_copy's meta kernel rejects strides its CPU kernel takes)."""
+    inputs (view_copy's meta kernel rejects strides its CPU kernel takes).
+    adapt(args, kwargs) -> (args, kwargs): the meta kernel's arguments where
+    its checks are narrower than the op (the lowering's meta_args)."""
     margs = [meta_like(a, contiguous) for a in args]
     mkwargs = {k: meta_like(v, contiguous) for k, v in kwargs.items()}
+    if adapt is not None:
+        margs, mkwargs = adapt(margs, mkwargs)
     try:
         out = func(*margs, **mkwargs)
     except NotImplementedError:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
+import torch
 from jax import lax
 
 from .registry import ctx, lower
@@ -83,6 +84,50 @@ def mm(a, b):
 @lower(aten.mm.dtype, aten.bmm.dtype, matmul=True)
 def mm_dtype(a, b, out_dtype):
     return _matmul(a, b)
+
+
+@lower(aten._grouped_mm.default, matmul=True)
+def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
+    """Matmuls of groups (mixture-of-experts layers): offs ends each group
+    along a's rows (2-D x 3-D), b's columns (3-D x 2-D) or the shared K
+    (2-D x 2-D, one result per group); 3-D x 3-D is bmm. Rows past the last
+    group are zeros (CPU leaves them unset). Computed in the accumulation
+    dtype: XLA:CPU's ragged dots take no bf16 x bf16 -> f32."""
+    if offs is None:
+        return _matmul(a, b)
+    sizes, dtype = jnp.diff(offs.astype(jnp.int32), prepend=0), a.dtype
+    a, b, p = a.astype(_acc(dtype)), b.astype(_acc(dtype)), matmul_precision()
+    if a.ndim == 2 and b.ndim == 3:
+        out = lax.ragged_dot(a, b, sizes, precision=p)
+    elif a.ndim == 3:  # columns of b grouped: the transposed 2-D x 3-D
+        out = _mT(lax.ragged_dot(_mT(b), _mT(a), sizes, precision=p))
+    else:
+        numbers = lax.RaggedDotDimensionNumbers((([1], [0]), ([], [])), [1], [])
+        out = lax.ragged_dot_general(a, b, sizes, numbers, precision=p)
+    return out.astype(dtype)
+
+
+def _grouped_mm_meta_args(args, kwargs):
+    """PyTorch's meta kernel checks CUDA's fast path: bf16 only, rows 16-byte
+    aligned. CPU's kernel takes every float dtype, as do Hugging Face's MoE
+    layers on tpu, and tpu aligns nothing: its stand-ins are bf16, aligned."""
+    def stand_in(x):
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2):
+            return x
+        row = -(-max(x.shape[-1], 1) // 8) * 8
+        return torch.empty_strided(x.shape, (x.shape[-2] * row, row, 1)[-x.dim():], dtype=torch.bfloat16,
+                                   device="meta")
+    a, args = args[0], [stand_in(x) for x in args]
+    if len(args) > 4 and args[4] == a.dtype:
+        args[4] = torch.bfloat16
+    if kwargs.get("out_dtype") == a.dtype:
+        kwargs = dict(kwargs, out_dtype=torch.bfloat16)
+    return args, kwargs
+
+
+grouped_mm.accepts = lambda a, b, offs=None, bias=None, out_dtype=None, **_: bias is None
+grouped_mm.meta_args = _grouped_mm_meta_args
+grouped_mm.result_dtypes = lambda dtypes, a, *args, **kwargs: [a.dtype]
 
 
 @lower(aten.vdot.default, matmul=True)

@@ -163,8 +163,26 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
 
 
+def _histc_int(x, bins, min, max):
+    """CUDA's histc of an integer tensor (CPU has none; libraries pick it for
+    every device but CPU and MPS): integer bins (x - min) * bins // (max -
+    min), the top edge in the last bin, counts in the input's dtype."""
+    lo, hi = jnp.asarray(min).astype(jnp.int64), jnp.asarray(max).astype(jnp.int64)
+    v = x.reshape(-1).astype(jnp.int64)
+    if v.size:
+        same = lo == hi
+        lo, hi = jnp.where(same, jnp.min(v), lo), jnp.where(same, jnp.max(v), hi)
+    same = lo == hi
+    lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    keep = (v >= lo) & (v <= hi)
+    pos = jnp.minimum((v - lo) * bins // jnp.maximum(hi - lo, 1), bins - 1)
+    return jnp.zeros(bins, jnp.int64).at[jnp.where(keep, pos, 0)].add(keep.astype(jnp.int64)).astype(x.dtype)
+
+
 @lower(aten.histc.default)
 def histc(x, bins=100, min=0, max=0):
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return _histc_int(x, bins, min, max)
     _require(jnp.issubdtype(x.dtype, jnp.floating), NotImplementedError,
              f'"histogram_cpu" not implemented for \'{_TORCH_NAMES[jnp.dtype(x.dtype).name]}\'')
     lo, hi = jnp.asarray(min, jnp.float64), jnp.asarray(max, jnp.float64)
