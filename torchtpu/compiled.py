@@ -36,8 +36,8 @@ import torch
 
 from . import bounds, cache, errors, modes
 from .dispatch.build import Kernel, physical_order
-from .integrations import control_flow
 from .dispatch.keys import Const
+from .integrations import control_flow
 from .modes import checks
 from .ops import matmul_setting
 from .modes.strict import StrictExecutor

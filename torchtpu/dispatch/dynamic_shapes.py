@@ -96,9 +96,9 @@ def _unique2(x, sorted=True, return_inverse=False, return_counts=False):
 
 
 def _unique_rows(x, dim, args, kwargs, func):
-    """unique(dim=) or unique_consecutive(dim=) of x, given the permutation
-    that brings equal rows together (None: they are together already).
-    CPU returns the inverse and the counts whatever the flags say."""
+    """unique(dim=) (func unique_dim: rows sorted first) or
+    unique_consecutive(dim=) of x. CPU returns the inverse and the counts
+    whatever the flags say."""
     if x.dim() == 0 or not -x.dim() <= dim < x.dim():
         return cpu_fallback(plan_of(func), args, kwargs)  # its error
     if x.numel() == 0:

@@ -102,7 +102,8 @@ def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     elif a.ndim == 3:  # columns of b grouped: the transposed 2-D x 3-D
         out = _mT(lax.ragged_dot(_mT(b), _mT(a), sizes, precision=p))
     else:
-        numbers = lax.RaggedDotDimensionNumbers((([1], [0]), ([], [])), [1], [])
+        numbers = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
         out = lax.ragged_dot_general(a, b, sizes, numbers, precision=p)
     return out.astype(dtype)
 
