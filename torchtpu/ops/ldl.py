@@ -22,6 +22,11 @@ def _first_max(values, where):
     return jnp.argmax(jnp.where(where, values, -1))
 
 
+def _swapped(idx, i, j):
+    """The indices idx with i and j exchanged (a row and column interchange)."""
+    return jnp.where(idx == i, j, jnp.where(idx == j, i, idx))
+
+
 def _sytf2(a):
     """LAPACK's ?sytf2 with uplo='L' on the lower triangle of a: (LD, 1-based
     pivots, info)."""
@@ -47,7 +52,7 @@ def _sytf2(a):
         two = ~singular & ~keep & ~one_at_imax
         kk = k + two.astype(k.dtype)
         # Swap rows and columns kk and kp of the trailing part A[k:, k:].
-        perm = jnp.where(idx == kk, kp, jnp.where(idx == kp, kk, idx))
+        perm = _swapped(idx, kk, kp)
         full = jnp.where(below, ld, ld.T)
         trailing = below & (idx[:, None] >= k) & (idx[None, :] >= k)
         ld = jnp.where(trailing & ~singular, full[perm][:, perm], ld)
@@ -106,8 +111,7 @@ linalg_ldl_factor_ex.accepts = lambda a, *, hermitian=False, check_errors=False,
 
 
 def _swap_rows(b, i, j):
-    rows = jnp.arange(b.shape[0])
-    return b[jnp.where(rows == i, j, jnp.where(rows == j, i, rows))]
+    return b[_swapped(jnp.arange(b.shape[0]), i, j)]
 
 
 def _sytrs(ld, piv, b):

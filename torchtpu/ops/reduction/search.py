@@ -163,17 +163,24 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
 
 
+def _histc_range(x, min, max, dtype):
+    """histc's range in dtype: (min, max), the data's own when they are
+    equal, then widened by 1 each way if still equal."""
+    lo, hi = jnp.asarray(min).astype(dtype), jnp.asarray(max).astype(dtype)
+    if x.size:
+        same = lo == hi
+        lo = jnp.where(same, jnp.min(x).astype(dtype), lo)
+        hi = jnp.where(same, jnp.max(x).astype(dtype), hi)
+    same = lo == hi
+    return jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+
+
 def _histc_int(x, bins, min, max):
     """CUDA's histc of an integer tensor (CPU has none; libraries pick it for
     every device but CPU and MPS): integer bins (x - min) * bins // (max -
     min), the top edge in the last bin, counts in the input's dtype."""
-    lo, hi = jnp.asarray(min).astype(jnp.int64), jnp.asarray(max).astype(jnp.int64)
     v = x.reshape(-1).astype(jnp.int64)
-    if v.size:
-        same = lo == hi
-        lo, hi = jnp.where(same, jnp.min(v), lo), jnp.where(same, jnp.max(v), hi)
-    same = lo == hi
-    lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    lo, hi = _histc_range(v, min, max, jnp.int64)
     keep = (v >= lo) & (v <= hi)
     pos = jnp.minimum((v - lo) * bins // jnp.maximum(hi - lo, 1), bins - 1)
     return jnp.zeros(bins, jnp.int64).at[jnp.where(keep, pos, 0)].add(keep.astype(jnp.int64)).astype(x.dtype)
@@ -185,13 +192,7 @@ def histc(x, bins=100, min=0, max=0):
         return _histc_int(x, bins, min, max)
     _require(jnp.issubdtype(x.dtype, jnp.floating), NotImplementedError,
              f'"histogram_cpu" not implemented for \'{_TORCH_NAMES[jnp.dtype(x.dtype).name]}\'')
-    lo, hi = jnp.asarray(min, jnp.float64), jnp.asarray(max, jnp.float64)
-    if x.size:
-        same = lo == hi
-        lo = jnp.where(same, jnp.min(x).astype(jnp.float64), lo)
-        hi = jnp.where(same, jnp.max(x).astype(jnp.float64), hi)
-    same = lo == hi
-    lo, hi = jnp.where(same, lo - 1, lo), jnp.where(same, hi + 1, hi)
+    lo, hi = _histc_range(x, min, max, jnp.float64)
     edges = _linspace(lo, hi, bins + 1, x.dtype)
     # histc divides without the neighbouring-edge correction.
     return _hist_kernel(x.reshape(-1, 1), [edges], None, False, True, local_search=False)
