@@ -224,22 +224,22 @@ def served_generally(general, key):
     return first != key
 
 
-def jit(fn, name=None, donate_argnums=(), device=0):
+def jit(fn, name=None, donate_argnums=(), device=0, graph=False):
     """Compile fn through JAX (lazily, at its first call); the disk tier is
     JAX's persistent cache. donate_argnums: arguments whose buffers the
     computation may reuse for its results (the caller's are invalidated).
     device: the index of the device it runs on. Its results are placed there,
     committed to it: JAX would put a factory's on its default device,
     uncommitted, and a kernel later given a committed array in its place
-    would compile again. None: where its inputs are (a reader's); kept
-    when fn does not use them (an empty view's reader), as JAX would drop
-    them and run it on its default device."""
+    would compile again. None: where its inputs are (a reader's); kept when
+    fn does not use them (an empty view's reader), as JAX would drop them and
+    run it on its default device. graph: fn is a graph of ops, not a kernel."""
+    from . import runtime
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
-    if device is None:
-        return jax.jit(fn, donate_argnums=donate_argnums, keep_unused=True)
-    from . import runtime
-    return jax.jit(fn, donate_argnums=donate_argnums, out_shardings=runtime.SHARDINGS[device])
+    placed = dict(keep_unused=True) if device is None else dict(out_shardings=runtime.SHARDINGS[device])
+    return jax.jit(fn, donate_argnums=donate_argnums,
+                   compiler_options=None if graph else runtime.KERNEL_COMPILER_OPTIONS, **placed)
 
 
 # ---- stored executables and kernel records -------------------------------------
@@ -387,7 +387,7 @@ def _load_executable(header, rest, device):
                                                      target.client, [target])
 
 
-def _compile(fn, name, key, args, donate_argnums, device, traced=None):
+def _compile(fn, name, key, args, donate_argnums, device, traced=None, graph=False):
     """fn compiled for args, its module named after its record's key, past
     JAX's own disk entries (the record holds the executable), which JAX
     then neither serializes nor writes. JAX counts the compilation; the
@@ -396,7 +396,7 @@ def _compile(fn, name, key, args, donate_argnums, device, traced=None):
     try:
         with profiling.span(lambda: f"torchtpu compile {name}"), compat.no_jax_cache_write():
             if traced is None:
-                traced = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device).trace(*args)
+                traced = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device, graph).trace(*args)
             compiled = traced.lower().compile()
     finally:
         _tl.bypass = False
@@ -509,7 +509,7 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when=
         return _jit_in_background(fn, args, key_text, name or fn.__name__, donate_argnums, device, disk,
                                   when == "background")
     if key_text is None or disk is None:
-        return jit(fn, name, donate_argnums, device)
+        return jit(fn, name, donate_argnums, device, graph=True)
     name = name or fn.__name__
     key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
 
@@ -519,7 +519,7 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when=
         if compiled is not None:
             STATS.programs_loaded += 1
             return compiled
-        compiled = _compile(fn, name, key, call_args, donate_argnums, device)
+        compiled = _compile(fn, name, key, call_args, donate_argnums, device, graph=True)
         disk.put(key, _encode({}, compiled))
         return compiled
     return _FirstCall(resolve)
@@ -542,21 +542,22 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
 
     def work():
         if key is None:
-            return jit(fn, name, donate_argnums, device).lower(*specs).compile()
-        compiled = _compile(fn, name, key, specs, donate_argnums, device)
+            return jit(fn, name, donate_argnums, device, graph=True).lower(*specs).compile()
+        compiled = _compile(fn, name, key, specs, donate_argnums, device, graph=True)
         disk.put(key, _encode({}, compiled))
         return compiled
     return background.submit(work)
 
 
-def jit_kernel(owner, fn, name, device=0):
+def jit_kernel(owner, fn, name, device=0, graph=False):
     """The callable owner.jitted starts as, for a per-op kernel: at its first
     call it becomes the kernel's executable, loaded from its record (which
     also gives owner.out_tree, what tracing fn would have set) or compiled
-    and stored there. owner: a dispatch Kernel (stable_key, out_tree, avals)."""
+    and stored there. owner: a dispatch Kernel (stable_key, out_tree, avals);
+    graph: as jit's."""
     disk = _disk()
     if owner.stable_key is None or disk is None:
-        return jit(fn, name, device=device)
+        return jit(fn, name, device=device, graph=graph)
 
     def first_call(*args):
         owner.jitted = _kernel_executable(disk, owner, fn, name, device, args)

@@ -122,8 +122,8 @@ class _Traced:
         """The kernel with the donated storages' arrays donated."""
         if self._donating is None:
             k = self.kernel
-            donating = Kernel(k.name, k.fn, None, k.written_slots, device=k.device)
-            donating.jitted = cache.jit(k.fn, None, self.donated, k.device)
+            donating = Kernel(k.name, k.fn, None, k.written_slots, device=k.device, graph=True)
+            donating.jitted = cache.jit(k.fn, None, self.donated, k.device, graph=True)
             donating.avals = k.avals
             self._donating = donating
         return self._donating
@@ -236,7 +236,7 @@ def _trace(gm, args, slots, n_storages, device, name):
         specs.append(jax.ShapeDtypeStruct(arr.shape, arr.dtype))
     specs.append(jax.ShapeDtypeStruct(flag.array.shape, flag.array.dtype))
     avals = jax.eval_shape(fn, *specs)  # traces once: outputs and written slots known
-    kernel = Kernel(name, fn, None, tuple(written), device=device)
+    kernel = Kernel(name, fn, None, tuple(written), device=device, graph=True)
     kernel.avals = avals
     donated = tuple(slot for slot, new in zip(written, avals[1])
                     if (new.shape, new.dtype) == (specs[slot].shape, specs[slot].dtype))

@@ -20,7 +20,8 @@ class Kernel:
     __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
                  "stable_key", "bound", "device", "specs", "nested", "traced")
 
-    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None, device=0):
+    def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None, device=0,
+                 graph=False):
         self.name = name
         # The index of the device it runs on, and its results live on.
         self.device = device
@@ -43,8 +44,9 @@ class Kernel:
         # fn's trace from fused mode's abstract evaluation, lowered by its
         # compile (if one comes) rather than tracing fn again (cache.py).
         self.traced = None
-        # Loaded from its record or compiled, at its first call.
-        self.jitted = cache.jit_kernel(self, fn, cache.module_name(name), device)
+        # Loaded from its record or compiled, at its first call. graph: fn is
+        # a whole graph of ops (torch.compile's), compiled as fused graphs are.
+        self.jitted = cache.jit_kernel(self, fn, cache.module_name(name), device, graph)
 
 
 class KernelEntry(typing.NamedTuple):
