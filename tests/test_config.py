@@ -1,7 +1,12 @@
 """torchtpu.config: how a TORCHTPU_* variable's value reads."""
-import pytest
+import os
+import subprocess
+import sys
 
-from torchtpu import config
+import pytest
+import torch
+
+from torchtpu import config, runtime
 from torchtpu.modes import fused
 
 
@@ -32,3 +37,22 @@ def test_a_variable_read_at_each_use_follows_a_change_at_run_time(monkeypatch):
     monkeypatch.setenv("TORCHTPU_FUSE_MAX_OPS", "many")
     with pytest.raises(ValueError):
         fused.max_ops()
+
+
+def test_one_op_kernels_compile_with_elemental_emitters_unless_xla_flags_say(tmp_path):
+    """On the CPU platform a one-op kernel is built with XLA's elemental
+    emitters (a third less compile time) and a fused graph with XLA's
+    default; a user's XLA_FLAGS setting of the option wins."""
+    assert runtime.PLATFORM == "cpu"
+    assert runtime.KERNEL_COMPILER_OPTIONS == {"xla_cpu_use_fusion_emitters": False}
+    code = ("import torch, torchtpu; from torchtpu import runtime\n"
+            "x = torch.arange(6.0, device='tpu')\n"
+            "print(runtime.KERNEL_COMPILER_OPTIONS, (x.sin() * 2).sum().item())\n")
+    env = dict(os.environ, TORCHTPU_CACHE_DIR="off",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=true")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    options, value = proc.stdout.split()
+    assert options == "None"
+    assert abs(float(value) - float((torch.arange(6.0).sin() * 2).sum())) < 1e-5
