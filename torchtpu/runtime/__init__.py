@@ -53,11 +53,13 @@ OWN_INDEX = bootstrap.own_device_index(len(DEVICES))
 # XLA's options for a one-op kernel (fused graphs take XLA's defaults). On
 # the CPU platform its elemental emitters build such a kernel in about two
 # thirds of the time of its fusion emitters (the default), and the kernel
-# runs as fast; a whole graph runs faster from the fusion emitters. A user's
-# own XLA_FLAGS setting of it wins.
+# runs as fast; a whole graph runs faster from the fusion emitters. Only on
+# the JAX versions it is checked on (XLA refuses an option it does not know),
+# and a user's own XLA_FLAGS setting of it wins.
 KERNEL_COMPILER_OPTIONS = (
     {"xla_cpu_use_fusion_emitters": False}
-    if PLATFORM == "cpu" and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
+    if PLATFORM == "cpu" and jax.__version_info__[:2] == (0, 10)
+    and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
     else None)
 
 
