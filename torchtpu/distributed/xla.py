@@ -20,6 +20,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import runtime
+
 AXIS = "ranks"
 
 # Reductions by name: what combines two ranks' values (in rank order, where
@@ -190,7 +192,8 @@ def mesh(device_ids):
 def _program(kind, device_ids, params):
     mesh = _mesh(device_ids)
     jitted = jax.jit(jax.shard_map(body(kind, device_ids, params), mesh=mesh,
-                                   in_specs=P(AXIS), out_specs=P(AXIS)))
+                                   in_specs=P(AXIS), out_specs=P(AXIS)),
+                     compiler_options=runtime.KERNEL_COMPILER_OPTIONS)  # one op's program
     return jitted, NamedSharding(mesh, P(AXIS))
 
 
