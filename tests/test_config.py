@@ -42,12 +42,16 @@ def test_a_variable_read_at_each_use_follows_a_change_at_run_time(monkeypatch):
 
 def test_one_op_kernels_compile_with_elemental_emitters_unless_xla_flags_say(tmp_path):
     """On the CPU platform a one-op kernel is built with XLA's elemental
-    emitters (a third less compile time) and a fused graph with XLA's
-    default, on the JAX versions XLA is known to take the option on; a
-    user's XLA_FLAGS setting of the option wins."""
+    emitters (a third less compile time) and a fused graph, or a kernel of
+    many arrays, with XLA's default, on the JAX versions XLA is known to
+    take the option on; a user's XLA_FLAGS setting of the option wins."""
     assert runtime.PLATFORM == "cpu"
     checked = jax.__version_info__[:2] == (0, 10)  # the JAX versions the option is known to
     assert runtime.KERNEL_COMPILER_OPTIONS == ({"xla_cpu_use_fusion_emitters": False} if checked else None)
+    one = jax.numpy.zeros(3)
+    assert runtime.kernel_options((one, one, 2.0)) == runtime.KERNEL_COMPILER_OPTIONS
+    # A _foreach op's kernel, an array per tensor, compiles as a graph does.
+    assert runtime.kernel_options([[one] * 9, [one] * 9]) is None
     code = ("import torch, torchtpu; from torchtpu import runtime\n"
             "x = torch.arange(6.0, device='tpu')\n"
             "print(runtime.KERNEL_COMPILER_OPTIONS, (x.sin() * 2).sum().item())\n")

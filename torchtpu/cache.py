@@ -91,7 +91,6 @@ _MAPPINGS_EVERY = 128
 _stores = 0
 
 
-
 def _configure_disk():
     """Point JAX's persistent cache at torchtpu's directory through DiskCache;
     returns (directory or None, read_only)."""
@@ -213,9 +212,9 @@ def served_generally(general, key):
     keeps its own kernel, so a program whose offsets never move (views of
     one flat buffer, a key and a value split from one projection) compiles
     and fuses as before; one whose offsets move compiles at most two
-    kernels per op (and fused mode at most one graph more per combination
-    of ops back at their first offset, as a ring buffer comes round). The
-    first key is kept in the memory cache."""
+    kernels per op (and fused mode at most one graph more per combination of
+    ops back at their first offset, as a ring buffer comes round). The first
+    key is kept in the memory cache."""
     marker = ("first specialization", general)
     first = _memory.get(marker)
     if first is None:
@@ -224,7 +223,7 @@ def served_generally(general, key):
     return first != key
 
 
-def jit(fn, name=None, donate_argnums=(), device=0, graph=False):
+def jit(fn, name=None, donate_argnums=(), device=0, options=None):
     """Compile fn through JAX (lazily, at its first call); the disk tier is
     JAX's persistent cache. donate_argnums: arguments whose buffers the
     computation may reuse for its results (the caller's are invalidated).
@@ -233,13 +232,12 @@ def jit(fn, name=None, donate_argnums=(), device=0, graph=False):
     uncommitted, and a kernel later given a committed array in its place
     would compile again. None: where its inputs are (a reader's); kept when
     fn does not use them (an empty view's reader), as JAX would drop them and
-    run it on its default device. graph: fn is a graph of ops, not a kernel."""
+    run it on its default device. options: XLA's compiler options."""
     from . import runtime
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
     placed = dict(keep_unused=True) if device is None else dict(out_shardings=runtime.SHARDINGS[device])
-    return jax.jit(fn, donate_argnums=donate_argnums,
-                   compiler_options=None if graph else runtime.KERNEL_COMPILER_OPTIONS, **placed)
+    return jax.jit(fn, donate_argnums=donate_argnums, compiler_options=options, **placed)
 
 
 # ---- stored executables and kernel records -------------------------------------
@@ -387,7 +385,7 @@ def _load_executable(header, rest, device):
                                                      target.client, [target])
 
 
-def _compile(fn, name, key, args, donate_argnums, device, traced=None, graph=False):
+def _compile(fn, name, key, args, donate_argnums, device, traced=None, options=None):
     """fn compiled for args, its module named after its record's key, past
     JAX's own disk entries (the record holds the executable), which JAX
     then neither serializes nor writes. JAX counts the compilation; the
@@ -396,8 +394,8 @@ def _compile(fn, name, key, args, donate_argnums, device, traced=None, graph=Fal
     try:
         with profiling.span(lambda: f"torchtpu compile {name}"), compat.no_jax_cache_write():
             if traced is None:
-                traced = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device, graph).trace(*args)
-            compiled = traced.lower().compile()
+                traced = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device).trace(*args)
+            compiled = traced.lower().compile(options)
     finally:
         _tl.bypass = False
     _count_disk_miss()
@@ -509,7 +507,7 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when=
         return _jit_in_background(fn, args, key_text, name or fn.__name__, donate_argnums, device, disk,
                                   when == "background")
     if key_text is None or disk is None:
-        return jit(fn, name, donate_argnums, device, graph=True)
+        return jit(fn, name, donate_argnums, device)
     name = name or fn.__name__
     key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
 
@@ -519,7 +517,7 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when=
         if compiled is not None:
             STATS.programs_loaded += 1
             return compiled
-        compiled = _compile(fn, name, key, call_args, donate_argnums, device, graph=True)
+        compiled = _compile(fn, name, key, call_args, donate_argnums, device)
         disk.put(key, _encode({}, compiled))
         return compiled
     return _FirstCall(resolve)
@@ -542,8 +540,8 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
 
     def work():
         if key is None:
-            return jit(fn, name, donate_argnums, device, graph=True).lower(*specs).compile()
-        compiled = _compile(fn, name, key, specs, donate_argnums, device, graph=True)
+            return jit(fn, name, donate_argnums, device).lower(*specs).compile()
+        compiled = _compile(fn, name, key, specs, donate_argnums, device)
         disk.put(key, _encode({}, compiled))
         return compiled
     return background.submit(work)
@@ -554,13 +552,15 @@ def jit_kernel(owner, fn, name, device=0, graph=False):
     call it becomes the kernel's executable, loaded from its record (which
     also gives owner.out_tree, what tracing fn would have set) or compiled
     and stored there. owner: a dispatch Kernel (stable_key, out_tree, avals);
-    graph: as jit's."""
+    graph: fn is a graph of ops (XLA's default options, not a kernel's)."""
+    from . import runtime
     disk = _disk()
-    if owner.stable_key is None or disk is None:
-        return jit(fn, name, device=device, graph=graph)
-
     def first_call(*args):
-        owner.jitted = _kernel_executable(disk, owner, fn, name, device, args)
+        options = None if graph else runtime.kernel_options(args)
+        if owner.stable_key is None or disk is None:
+            owner.jitted = jit(fn, name, device=device, options=options)
+        else:
+            owner.jitted = _kernel_executable(disk, owner, fn, name, device, args, options)
         return owner.jitted(*args)
     return first_call
 
@@ -578,7 +578,7 @@ def _decoded(disk, key, decode):
         return _DAMAGED
 
 
-def _kernel_executable(disk, owner, fn, name, device, args):
+def _kernel_executable(disk, owner, fn, name, device, args, options):
     key = _record_key(KERNEL_PREFIX, owner.stable_key, args, device)
     _note_startup(key, device)
     header, compiled = _stored_executable(disk, key, device)
@@ -589,7 +589,7 @@ def _kernel_executable(disk, owner, fn, name, device, args):
             STATS.kernels_loaded += 1
             return compiled
     traced, owner.traced = owner.traced, None
-    compiled = _compile(fn, name, key, args, (), device, traced)  # tracing fn sets owner.out_tree
+    compiled = _compile(fn, name, key, args, (), device, traced, options)  # tracing fn sets owner.out_tree
     header = _trace_header(owner.out_tree, compiled.out_info)
     if header is not None:
         disk.put(key, _encode(header, compiled))

@@ -123,7 +123,7 @@ class _Traced:
         if self._donating is None:
             k = self.kernel
             donating = Kernel(k.name, k.fn, None, k.written_slots, device=k.device, graph=True)
-            donating.jitted = cache.jit(k.fn, None, self.donated, k.device, graph=True)
+            donating.jitted = cache.jit(k.fn, None, self.donated, k.device)
             donating.avals = k.avals
             self._donating = donating
         return self._donating

@@ -61,6 +61,17 @@ KERNEL_COMPILER_OPTIONS = (
     if PLATFORM == "cpu" and jax.__version_info__[:2] == (0, 10)
     and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
     else None)
+# A kernel of more arrays than this is many independent computations (a
+# _foreach op's, one per tensor), which the fusion emitters compile faster
+# (in parallel): 0.7 s against 0.25 for AdamW's lerp over 12 layers.
+KERNEL_MAX_ARRAYS = 16
+
+
+def kernel_options(args):
+    """XLA's compiler options for a kernel called with args."""
+    if len(jax.tree_util.tree_leaves(args)) > KERNEL_MAX_ARRAYS:
+        return None
+    return KERNEL_COMPILER_OPTIONS
 
 
 def device(index=0):
