@@ -40,7 +40,7 @@ def test_a_variable_read_at_each_use_follows_a_change_at_run_time(monkeypatch):
         fused.max_ops()
 
 
-def test_one_op_kernels_compile_with_elemental_emitters_unless_xla_flags_say(tmp_path):
+def test_one_op_kernels_compile_with_elemental_emitters_unless_xla_flags_say():
     """On the CPU platform a one-op kernel is built with XLA's elemental
     emitters (a third less compile time) and a fused graph, or a kernel of
     many arrays, with XLA's default, on the JAX versions XLA is known to
