@@ -454,3 +454,55 @@ def test_tiered_flush_switches_to_the_graph_ready_half_way(tiered, monkeypatch):
     monkeypatch.setattr(graph, "call_jitted", call)
     torch.testing.assert_close(f(t), want)  # met again: compiled meanwhile
     assert STATS.switched_while_compiling == 1 and len(calls) == 3, calls
+
+
+def test_background_compiles_put_xla_threads_behind_the_program_then_back(tmp_path):
+    # A child process: the test changes its threads' priorities.
+    script = tmp_path / "behind.py"
+    script.write_text("""
+import json, os, threading
+import jax, jax.numpy as jnp
+import torchtpu
+from torchtpu import background
+
+def nice(ids):
+    return {t: os.getpriority(os.PRIO_PROCESS, t) for t in ids}
+
+jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()  # XLA's pools are up
+xla = background._xla_threads()
+before = nice(xla)
+me = threading.get_native_id()
+try:  # whether this process may raise a thread's priority again
+    os.setpriority(os.PRIO_PROCESS, me, before.get(me, 0) + 1)
+    os.setpriority(os.PRIO_PROCESS, me, 0)
+    may_raise = True
+except OSError:
+    may_raise = False
+
+def work():
+    compiled = jax.jit(lambda x: jnp.tanh(x @ x.T)).lower(jnp.ones((8, 8))).compile()
+    return nice(xla), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), compiled
+
+job = background.submit(work)
+background.wait()
+during, compile_thread, compiled = job.value
+print(json.dumps({"xla": len(xla), "may_raise": may_raise, "before": before, "during": during,
+                  "after": nice(xla), "compile_thread": compile_thread,
+                  "value": float(compiled(jnp.ones((8, 8)))[0, 0])}))
+""")
+    import json
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TORCHTPU_PLATFORM="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["value"] == pytest.approx(float(torch.tanh(torch.tensor(8.0))))
+    assert got["compile_thread"] == 10
+    assert got["xla"] > 0  # XLA's pools: unnamed threads Python did not start
+    if got["may_raise"]:
+        assert all(n == 10 for n in got["during"].values()), got
+    else:  # (left alone: their priority could not be raised back)
+        assert got["during"] == got["before"], got
+    assert got["after"] == got["before"], got

@@ -2,7 +2,14 @@
 compilation, modes/fused.py). Jobs run one at a time, in order: XLA's
 compiler releases the GIL, so the program runs beside it. At exit the job
 under way is finished (its executable is stored for the next process) and
-queued ones are dropped; in a forked child, jobs never started fail."""
+queued ones are dropped; in a forked child, jobs never started fail.
+
+The program's own work comes first: the thread runs at a lower priority
+(nice 10). XLA compiles on threads of its own (its client's pools) while
+the thread that asked waits, so on the CPU platform, where those threads,
+the program's kernels and its Python share the host's cores, they are put
+behind the program too while jobs are queued, and back after, where the
+process may raise a priority again (else they are left alone)."""
 import atexit
 import collections
 import os
@@ -55,17 +62,20 @@ def wait():
             _cv.wait()
 
 
+# The priority (nice value) of background compilation.
+BEHIND = 10
+
+
 def _loop():
-    try:
-        # Behind the program: its own work (op by op meanwhile) comes first.
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):
-        pass
+    behind = _xla_behind()
+    lowered = {}  # XLA's threads put behind the program -> their own nice value
     while True:
         with _cv:
             while not _queue:
                 _cv.wait()
             job = _state["running"] = _queue.popleft()
+        if behind:
+            _put_behind(lowered)
         start = time.perf_counter()
         try:
             job.value = job.work()
@@ -74,9 +84,72 @@ def _loop():
         job.seconds = time.perf_counter() - start
         job.work = None
         with _cv:
+            if not _queue and lowered:
+                _put_back(lowered)  # (before wait() returns)
             job.done = True
             _state["running"] = None
             _cv.notify_all()
+
+
+def _xla_behind():
+    """Put this thread behind the program; whether XLA's threads are to be
+    too: on the CPU platform, and where their priority can be raised back
+    (root, or RLIMIT_NICE: tried on this thread)."""
+    from . import runtime
+    me = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, me, BEHIND)
+    except (AttributeError, OSError):
+        return False
+    try:
+        os.setpriority(os.PRIO_PROCESS, me, BEHIND - 1)
+        os.setpriority(os.PRIO_PROCESS, me, BEHIND)
+    except OSError:
+        return False
+    return runtime.PLATFORM == "cpu"
+
+
+def _xla_threads():
+    """The native ids of XLA's threads that may compile: the process's
+    threads Python did not start that bear the process's own name (XLA's
+    pools leave theirs unnamed; its named ones run kernels)."""
+    python = {t.native_id for t in threading.enumerate()}
+    ids = []
+    try:
+        with open("/proc/self/comm") as f:
+            unnamed = f.read()
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return ids
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read() == unnamed and int(task) not in python:
+                    ids.append(int(task))
+        except OSError:
+            continue  # (a thread that ended)
+    return ids
+
+
+def _put_behind(lowered):
+    for tid in _xla_threads():
+        if tid not in lowered:
+            try:
+                nice = os.getpriority(os.PRIO_PROCESS, tid)
+                if nice < BEHIND:
+                    os.setpriority(os.PRIO_PROCESS, tid, BEHIND)
+                    lowered[tid] = nice
+            except OSError:
+                continue
+
+
+def _put_back(lowered):
+    for tid, nice in lowered.items():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            continue  # (a thread that ended)
+    lowered.clear()
 
 
 def _at_exit():
