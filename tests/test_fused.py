@@ -442,3 +442,32 @@ def test_a_gradient_penalty_over_a_long_forward_trains_as_cpu(fused, monkeypatch
     torch.testing.assert_close(losses, ref_losses)
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b)
+
+
+def test_a_new_kernel_is_traced_once_without_a_disk_cache(fused):
+    # (The suite runs with TORCHTPU_CACHE_DIR=off.) A new op's kernel is
+    # traced as it is recorded (for its result's shape); running a graph
+    # met for the first time op by op compiles each kernel from that trace,
+    # not tracing it again.
+    from jax import monitoring
+    from torchtpu import cache
+    assert cache._disk() is None
+    traced = []
+    trace_event = "/jax/core/compile/jaxpr_trace_duration"
+    monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: traced.append(str(kw.get("fun_name"))) if event == trace_event else None)
+    x = torch.randn(7, 13)
+    y = x.to("tpu")
+    for _ in range(40):  # a graph of 120 ops: met the first time, it runs op by op
+        y = torch.special.erfcx(y * 0.37) + 2.5
+    assert pending(y)
+    assert len(traced) >= 3, traced  # the new kernels, traced as recorded
+    compiled_before = metrics.snapshot()["compilations"]
+    del traced[:]
+    got = y.cpu()
+    assert metrics.snapshot()["compilations"] - compiled_before >= 3  # its kernels
+    assert not [name for name in traced if "aten" in name], traced
+    want = x
+    for _ in range(40):
+        want = torch.special.erfcx(want * 0.37) + 2.5
+    torch.testing.assert_close(got, want)

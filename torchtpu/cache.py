@@ -548,19 +548,20 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
 
 
 def jit_kernel(owner, fn, name, device=0, graph=False):
-    """The callable owner.jitted starts as, for a per-op kernel: at its first
-    call it becomes the kernel's executable, loaded from its record (which
-    also gives owner.out_tree, what tracing fn would have set) or compiled
-    and stored there. owner: a dispatch Kernel (stable_key, out_tree, avals);
-    graph: fn is a graph of ops (XLA's default options, not a kernel's)."""
+    """owner.jitted (owner: a dispatch Kernel) at first: at its first call the
+    kernel's executable, loaded from its record (with owner.out_tree) or
+    compiled (from fused mode's trace, if made) and stored there. graph: fn
+    is a graph of ops (XLA's default options, not a kernel's)."""
     from . import runtime
     disk = _disk()
     def first_call(*args):
         options = None if graph else runtime.kernel_options(args)
-        if owner.stable_key is None or disk is None:
-            owner.jitted = jit(fn, name, device=device, options=options)
-        else:
+        if owner.stable_key is not None and disk is not None:
             owner.jitted = _kernel_executable(disk, owner, fn, name, device, args, options)
+        elif owner.stable_key is not None and owner.traced is not None:  # fused mode's trace
+            owner.jitted, owner.traced = owner.traced.lower().compile(options), None
+        else:
+            owner.jitted = jit(fn, name, device=device, options=options)
         return owner.jitted(*args)
     return first_call
 
@@ -602,15 +603,14 @@ def module_name(op_name):
 
 
 def eval_shape_kernel(owner, args):
-    """jax.eval_shape(owner.fn, *args) for a per-op kernel (fused mode's
-    abstract trace), through its record; sets owner.out_tree. Its trace is
-    kept (owner.traced): a graph met for the first time runs op by op, and
-    each new kernel's compile then lowers it instead of tracing again."""
+    """jax.eval_shape(owner.fn, *args) for a per-op kernel (fused mode's), through
+    its record; sets owner.out_tree. Its trace is kept (owner.traced): a new
+    graph runs op by op, and each new kernel's compile lowers it, not tracing again."""
     disk = _disk()
-    if owner.stable_key is None or disk is None:
+    if owner.stable_key is None:
         return jax.eval_shape(owner.fn, *args)
     key = _record_key(KERNEL_PREFIX, owner.stable_key, args, owner.device)
-    header, _ = _read(disk, key)
+    header = None if disk is None else _read(disk, key)[0]
     if header is not None:
         got = _decoded(disk, key, lambda: (_decode_avals(header), decode_tree(header["out_tree"])))
         if got is not _DAMAGED:
@@ -620,7 +620,7 @@ def eval_shape_kernel(owner, args):
     owner.traced = jit(owner.fn, f"{module_name(owner.name)}_{key[-16:]}", (), owner.device).trace(*args)
     avals = owner.traced.out_info
     header = _trace_header(owner.out_tree, avals)
-    if header is not None:
+    if header is not None and disk is not None:
         disk.put(key, _encode(header))
     return avals
 
