@@ -506,3 +506,20 @@ print(json.dumps({"xla": len(xla), "may_raise": may_raise, "before": before, "du
     else:  # (left alone: their priority could not be raised back)
         assert got["during"] == got["before"], got
     assert got["after"] == got["before"], got
+
+
+def test_a_background_compile_waits_until_the_program_stops_compiling():
+    import time
+    from torchtpu import background
+    background.wait()
+    started = []
+    compiled = torchtpu.metrics.snapshot()["compilations"]
+    for n in range(3, 7):  # the program compiles kernels (new shapes), a job queued meanwhile
+        (torch.ones(n, device="tpu") * 3).cpu()
+        last = time.monotonic()
+        if n == 3:
+            background.submit(lambda: started.append(time.monotonic()))
+    assert torchtpu.metrics.snapshot()["compilations"] >= compiled + 4
+    background.wait()
+    # (less the moment between a compile's end and its op's return)
+    assert started and started[0] - last >= background.QUIET - 0.05

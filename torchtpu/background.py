@@ -4,12 +4,17 @@ compiler releases the GIL, so the program runs beside it. At exit the job
 under way is finished (its executable is stored for the next process) and
 queued ones are dropped; in a forked child, jobs never started fail.
 
-The program's own work comes first: the thread runs at a lower priority
-(nice 10). XLA compiles on threads of its own (its client's pools) while
-the thread that asked waits, so on the CPU platform, where those threads,
-the program's kernels and its Python share the host's cores, they are put
-behind the program too while jobs are queued, and back after, where the
-process may raise a priority again (else they are left alone)."""
+The program's own work comes first. A job starts only once the program
+has compiled nothing of its own for QUIET seconds: a program still warming
+up (its first steps, a first evaluation, a new batch size) has the cores
+for its own kernels, and a short one does not share them with graphs it
+would run few times. The thread runs
+at a lower priority (nice 10); XLA compiles on threads of its own (its
+client's pools) while the thread that asked waits, so on the CPU platform,
+where those threads, the program's kernels and its Python share the
+host's cores, they are put behind the program too while jobs are queued,
+and back after, where the process may raise a priority again (else they
+are left alone)."""
 import atexit
 import collections
 import os
@@ -18,7 +23,7 @@ import time
 
 _cv = threading.Condition()
 _queue = collections.deque()
-_state = {"thread": None, "running": None}
+_state = {"thread": None, "running": None, "foreground": 0.0}
 
 
 class Job:
@@ -64,6 +69,13 @@ def wait():
 
 # The priority (nice value) of background compilation.
 BEHIND = 10
+# Seconds without a compilation of the program's own before a job starts.
+QUIET = 0.5
+
+
+def foreground_compiled():
+    """The program compiled something (not on this thread)."""
+    _state["foreground"] = time.monotonic()
 
 
 def _loop():
@@ -73,6 +85,12 @@ def _loop():
         with _cv:
             while not _queue:
                 _cv.wait()
+        # The program is still compiling kernels of its own: it comes first.
+        while (left := QUIET - (time.monotonic() - _state["foreground"])) > 0:
+            time.sleep(left)
+        with _cv:
+            if not _queue:
+                continue
             job = _state["running"] = _queue.popleft()
         if behind:
             _put_behind(lowered)

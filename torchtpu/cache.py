@@ -148,11 +148,11 @@ def _on_duration(event, duration, **kwargs):
         if getattr(_tl, "disk_hit", False):
             _tl.disk_hit = False
             STATS.disk_load_seconds += duration
-        elif background.on_compile_thread():
-            # Not time the program waited (tiered compilation, modes/fused.py).
+        elif background.on_compile_thread():  # (not time the program waited: modes/fused.py)
             STATS.background_compiles += 1
             STATS.background_compile_seconds += duration
         else:
+            background.foreground_compiled()
             metrics.M.compilations += 1
             metrics.M.compile_seconds += duration
     elif event == "/jax/compilation_cache/compile_time_saved_sec":
