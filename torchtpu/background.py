@@ -8,13 +8,12 @@ The program's own work comes first. A job starts only once the program
 has compiled nothing of its own for QUIET seconds: a program still warming
 up (its first steps, a first evaluation, a new batch size) has the cores
 for its own kernels, and a short one does not share them with graphs it
-would run few times. The thread runs
-at a lower priority (nice 10); XLA compiles on threads of its own (its
-client's pools) while the thread that asked waits, so on the CPU platform,
-where those threads, the program's kernels and its Python share the
-host's cores, they are put behind the program too while jobs are queued,
-and back after, where the process may raise a priority again (else they
-are left alone)."""
+would run few times. The thread runs at a lower priority (nice 10); XLA
+compiles on threads of its own (its client's pools) while the thread that
+asked waits, so on the CPU platform, where those threads, the program's
+kernels and its Python share the host's cores, they are put behind the
+program too while jobs are queued, and back after, where the process may
+raise a priority again (else they are left alone)."""
 import atexit
 import collections
 import os

@@ -558,7 +558,7 @@ def jit_kernel(owner, fn, name, device=0, graph=False):
         options = None if graph else runtime.kernel_options(args)
         if owner.stable_key is not None and disk is not None:
             owner.jitted = _kernel_executable(disk, owner, fn, name, device, args, options)
-        elif owner.stable_key is not None and owner.traced is not None:  # fused mode's trace
+        elif owner.traced is not None:  # fused mode's trace (of a kernel with a stable key)
             owner.jitted, owner.traced = owner.traced.lower().compile(options), None
         else:
             owner.jitted = jit(fn, name, device=device, options=options)
