@@ -495,19 +495,19 @@ def shape_specs(args):
         if isinstance(x, jax.Array) else x, args)
 
 
-def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when="first call"):
+def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when="first call", options=None):
     """jit(fn) for arguments like args (a fused graph's) through a stored
     executable: key_text describes fn completely and the same way in every
     process (None: not storable). when: "first call" loads or compiles it
     then; "background" loads it now or compiles it on the compile thread,
     giving a background.Job whose value is the executable; "stored" loads
-    it now, giving such a Job, or None when no executable is stored."""
+    it now, giving such a Job, or None when none is stored (options: XLA's)."""
     disk = _disk()
     if when != "first call":
         return _jit_in_background(fn, args, key_text, name or fn.__name__, donate_argnums, device, disk,
-                                  when == "background")
+                                  when == "background", options)
     if key_text is None or disk is None:
-        return jit(fn, name, donate_argnums, device)
+        return jit(fn, name, donate_argnums, device, options)
     name = name or fn.__name__
     key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
 
@@ -517,13 +517,13 @@ def jit_stored(fn, args, key_text, name=None, donate_argnums=(), device=0, when=
         if compiled is not None:
             STATS.programs_loaded += 1
             return compiled
-        compiled = _compile(fn, name, key, call_args, donate_argnums, device)
+        compiled = _compile(fn, name, key, call_args, donate_argnums, device, options=options)
         disk.put(key, _encode({}, compiled))
         return compiled
     return _FirstCall(resolve)
 
 
-def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, compile):
+def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, compile, options):
     key = None
     if key_text is not None and disk is not None:
         key = _record_key(PROGRAM_PREFIX, f"{key_text}\ndonate {tuple(donate_argnums)}", args, device)
@@ -540,8 +540,8 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
 
     def work():
         if key is None:
-            return jit(fn, name, donate_argnums, device).lower(*specs).compile()
-        compiled = _compile(fn, name, key, specs, donate_argnums, device)
+            return jit(fn, name, donate_argnums, device).lower(*specs).compile(options)
+        compiled = _compile(fn, name, key, specs, donate_argnums, device, options=options)
         disk.put(key, _encode({}, compiled))
         return compiled
     return background.submit(work)

@@ -332,7 +332,8 @@ def build(g, live_refs, donate=None, when="first call"):
         if key_text is not None:
             key_text += f"\ndonated {given}"
         jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
-                                  device=g.device, when=when)
+                                  device=g.device, when=when,
+                                  options=runtime.graph_options(len(nodes)))
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
 
     if jitted is None:
