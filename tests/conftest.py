@@ -47,6 +47,15 @@ def mode(request):
 
 
 @pytest.fixture
+def fresh_kernels():
+    """The in-memory kernels dropped, as in a fresh process, for a test that
+    counts the fused graphs compiled: fused mode tiers a small graph whose
+    ops' kernels are all compiled (another test's, say) rather than
+    compiling it at once."""
+    torchtpu.cache.clear()
+
+
+@pytest.fixture
 def debug_mode():
     with torchtpu.eager_mode("debug"):
         yield "debug"

@@ -377,7 +377,7 @@ def _mlp_steps(device, steps, autocast=True):
     return losses, [p.detach().cpu() for p in model.parameters()], metrics.snapshot()
 
 
-def test_mlp_training_step_matches_cpu_autocast(mode):
+def test_mlp_training_step_matches_cpu_autocast(mode, fresh_kernels):
     steps = 4
     losses, params, snap = _mlp_steps("tpu", steps)
     ref_losses, ref_params, _ = _mlp_steps("cpu", steps)

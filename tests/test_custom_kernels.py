@@ -304,7 +304,7 @@ def _train_steps(steps, eps_of_step):
     return losses
 
 
-def test_fused_training_step_is_one_graph():
+def test_fused_training_step_is_one_graph(fresh_kernels):
     with torchtpu.eager_mode("fused"):
         losses = _train_steps(4, lambda step: 1e-6)
         snap = metrics.snapshot()

@@ -129,7 +129,7 @@ def _mlp_step_counts(mode):
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
-def test_training_loop_hits_one_step_graph(fused):
+def test_training_loop_hits_one_step_graph(fused, fresh_kernels):
     from torchtpu.modes.fused import STATS
     losses, params = _mlp_step_counts("fused")
     # One graph per step; step 1 (no optimizer state yet) and step 2 (state
@@ -471,3 +471,31 @@ def test_a_new_kernel_is_traced_once_without_a_disk_cache(fused):
     for _ in range(40):
         want = torch.special.erfcx(want * 0.37) + 2.5
     torch.testing.assert_close(got, want)
+
+
+def _small_graph(t):
+    return (torch.special.i0e(t * 0.41) - 0.75).cumprod(1)
+
+
+@pytest.mark.parametrize("kernels_compiled", [False, True])
+def test_a_small_graph_waits_for_xla_only_if_its_kernels_would(fused, kernels_compiled):
+    # A graph under TORCHTPU_FUSED_BACKGROUND_OPS ops compiles at once when
+    # its ops' kernels are new (faster than compiling those); when they are
+    # all compiled, it is tiered as a large graph is: op by op when met
+    # first, compiled in the background when met again, fused once ready.
+    from torchtpu.modes.fused import STATS
+    x = torch.randn(9, 23 + kernels_compiled)  # (shapes of its own per case)
+    want = _small_graph(x)
+    if kernels_compiled:
+        with torchtpu.eager_mode("strict"):
+            torch.testing.assert_close(_small_graph(x.to("tpu")).cpu(), want)
+    compiled, first_met, hits = STATS.graphs_compiled, STATS.run_first_met, STATS.graph_cache_hits
+    for i in range(4):  # (one line: fused mode tells graphs met again by their line)
+        torch.testing.assert_close(_small_graph(x.to("tpu")).cpu(), want)
+        if i == 0:
+            assert (STATS.graphs_compiled - compiled, STATS.run_first_met - first_met) == (
+                (0, 1) if kernels_compiled else (1, 0))
+        if i == 1:
+            torchtpu.wait_for_compiles()
+    assert STATS.graphs_compiled - compiled == 1
+    assert STATS.graph_cache_hits - hits >= 2

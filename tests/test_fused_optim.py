@@ -227,7 +227,7 @@ def test_changing_lr_compiles_nothing_new():
         assert_same(p, c)
 
 
-def test_fused_mode_step_is_one_graph():
+def test_fused_mode_step_is_one_graph(fresh_kernels):
     from torchtpu.modes.fused import STATS
     with torchtpu.eager_mode("fused"):
         model = _model("tpu")

@@ -31,7 +31,7 @@ def _grow(x, xt, ids, it, steps):
     return x, xt, ids, it
 
 
-def test_grown_tensors_equal_cpu_and_compile_per_bucket(mode, monkeypatch):
+def test_grown_tensors_equal_cpu_and_compile_per_bucket(mode, monkeypatch, fresh_kernels):
     monkeypatch.setattr(growth, "GROWTH_MIN", 16)
     x = torch.randn(2, 3, 4)
     ids = torch.randint(0, 50, (2, 5))

@@ -29,6 +29,7 @@ def _step_names(mode):
     x_cpu = torch.randn(16, 8)
     for _ in range(3):
         step(x_cpu.to("tpu"))
+    torchtpu.wait_for_compiles()  # (fused mode: its step's graph, fused)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         x = x_cpu.to("tpu")  # an upload
         loss = step(x)

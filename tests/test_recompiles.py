@@ -41,7 +41,7 @@ def _lm_losses(device, steps, per_step=None):
     return torch.stack(losses), lin.weight.detach().to("cpu")
 
 
-def test_moving_slice_training_compiles_nothing_after_step_two(mode):
+def test_moving_slice_training_compiles_nothing_after_step_two(mode, fresh_kernels):
     counts = []
     losses, weight = _lm_losses("tpu", 10, lambda step: counts.append(_compilations()))
     cpu_losses, cpu_weight = _lm_losses("cpu", 10)
@@ -83,7 +83,7 @@ def test_the_last_rows_read_at_a_moving_offset(mode):
         assert_same(t[i:i + 3, 3:].exp(), x[i:i + 3, 3:].exp())
 
 
-def test_writes_at_a_moving_offset(mode):
+def test_writes_at_a_moving_offset(mode, fresh_kernels):
     """A cache written at a moving position (rows, and strided columns) and
     a ring buffer: CPU's values, and compilations that stop."""
     buf, cols, ring = torch.zeros(20, 3), torch.zeros(3, 20), torch.zeros(5, 2, 3)

@@ -548,10 +548,9 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
 
 
 def jit_kernel(owner, fn, name, device=0, graph=False):
-    """owner.jitted (owner: a dispatch Kernel) at first: at its first call the
-    kernel's executable, loaded from its record (with owner.out_tree) or
-    compiled (from fused mode's trace, if made) and stored there. graph: fn
-    is a graph of ops (XLA's default options, not a kernel's)."""
+    """owner.jitted (owner: a dispatch Kernel), pending until its first call
+    stores there the executable loaded from its record (with out_tree) or
+    compiled (from fused mode's trace, if made). graph: fn is a graph of ops."""
     from . import runtime
     disk = _disk()
     def first_call(*args):
@@ -563,6 +562,7 @@ def jit_kernel(owner, fn, name, device=0, graph=False):
         else:
             owner.jitted = jit(fn, name, device=device, options=options)
         return owner.jitted(*args)
+    first_call.pending = True
     return first_call
 
 

@@ -48,6 +48,12 @@ class Kernel:
         # a whole graph of ops (torch.compile's), compiled as fused graphs are.
         self.jitted = cache.jit_kernel(self, fn, cache.module_name(name), device, graph)
 
+    @property
+    def compiled(self):
+        """Whether its executable is there (compiled or loaded at its first
+        call): running it costs no compilation."""
+        return not getattr(self.jitted, "pending", False)
+
 
 class KernelEntry(typing.NamedTuple):
     """What the kernel cache holds for an op call's key."""

@@ -493,10 +493,12 @@ class FusedExecutor(StrictExecutor):
                               stacklevel=5)
             return graph.op_by_op_run(g.nodes, live_refs), "op-by-op"
         kernels = [k for k, _ in g.nodes]
-        if collective or len(g.nodes) < graph.background_min_ops() or not graph.compile_in_background():
+        if (collective or not graph.compile_in_background()
+                or (len(g.nodes) < graph.background_min_ops() and not all(k.compiled for k in kernels))):
             # A small graph compiles faster than its ops' own kernels would
-            # for an op-by-op run; a graph holding a collective is compiled
-            # and run by every rank.
+            # for an op-by-op run (one whose kernels are all there is tiered:
+            # run op by op, it waits for no compilation); a graph holding a
+            # collective is compiled and run by every rank.
             STATS.graphs_compiled += 1
             return cache.store(key, graph.GraphEntry(segments.build(g, live_refs, donate), kernels)).run, "miss"
         if not met:
