@@ -299,12 +299,13 @@ def compile_in_background():
     return config.FUSED_COMPILE.text().lower() != "sync"
 
 
-def build(g, live_refs, donate=None, when="first call"):
+def build(g, live_refs, donate=None, when="first call", piece=False):
     """The compiled graph as run(inputs, scalars); inputs marked in donate
     are passed as a donated argument. when (cache.jit_stored's): compiled
     at its first call, or in the "background" on the compile thread (not a
     graph holding a collective), run.job saying when it is done; or only
-    loaded if "stored" (else None)."""
+    loaded if "stored" (else None). piece: g is a piece of a longer graph
+    (segments.py), compiled with XLA's defaults whatever its length."""
     nodes = list(g.nodes)
     start = time.perf_counter()
     donate = donate or (False,) * len(g.inputs)
@@ -333,7 +334,7 @@ def build(g, live_refs, donate=None, when="first call"):
             key_text += f"\ndonated {given}"
         jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
                                   device=g.device, when=when,
-                                  options=runtime.graph_options(len(nodes)))
+                                  options=None if piece else runtime.graph_options(len(nodes)))
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
 
     if jitted is None:

@@ -176,7 +176,7 @@ def _piece(g, lo, hi, last_read, live, donate, when):
         if job is not None and not (job.done and job.error is None):
             return None  # (another graph's piece, still compiling: not ready to run)
     if entry is None:
-        run = graph.build(sub, local, given, when)
+        run = graph.build(sub, local, given, when, piece=True)
         if run is None:
             return None  # ("stored": not on the disk)
         entry = cache.store(key, graph.GraphEntry(run, [k for k, _ in sub.nodes]))

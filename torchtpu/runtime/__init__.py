@@ -69,8 +69,9 @@ KERNEL_MAX_ARRAYS = 16
 
 # A fused graph of fewer ops compiles faster with the kernels' options too
 # (a DCGAN's 89-op graph 0.78 s against 1.53), whatever its arrays; a longer
-# one can compile far slower with them (an LSTM's 224-op piece 6.2 s
-# against 1.3).
+# one, or a piece of one (modes/segments.py), can compile far slower with
+# them (an LSTM's 224-op piece 6.2 s against 1.3; a GPT's 37-op optimizer
+# piece 3.0 s against 2.0).
 GRAPH_MAX_OPS = 100
 
 
