@@ -334,7 +334,7 @@ def build(g, live_refs, donate=None, when="first call", piece=False):
             key_text += f"\ndonated {given}"
         jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
                                   device=g.device, when=when,
-                                  options=None if piece else runtime.graph_options(len(nodes)))
+                                  options=None if piece else runtime.graph_options([k.name for k, _ in nodes]))
     metrics.M.extra["graph_build_seconds"] = metrics.M.extra.get("graph_build_seconds", 0.0) + time.perf_counter() - start
 
     if jitted is None:

@@ -67,11 +67,11 @@ KERNEL_COMPILER_OPTIONS = (
 KERNEL_MAX_ARRAYS = 16
 
 
-# A fused graph of fewer ops compiles faster with the kernels' options too
-# (a DCGAN's 89-op graph 0.78 s against 1.53), whatever its arrays; a longer
-# one, or a piece of one (modes/segments.py), can compile far slower with
-# them (an LSTM's 224-op piece 6.2 s against 1.3; a GPT's 37-op optimizer
-# piece 3.0 s against 2.0).
+# A fused graph of fewer ops holding a convolution compiles faster with the
+# kernels' options too (a DCGAN's 89-op graph 0.78 s against 1.53); others
+# can compile slower with them (a word language model's 98-op graph 1.23 s
+# against 0.59, an LSTM's 224-op piece 6.2 s against 1.3, a GPT's 37-op
+# optimizer piece 3.0 s against 2.0).
 GRAPH_MAX_OPS = 100
 
 
@@ -82,9 +82,11 @@ def kernel_options(args):
     return KERNEL_COMPILER_OPTIONS
 
 
-def graph_options(ops):
-    """XLA's compiler options for a fused graph of this many ops."""
-    return KERNEL_COMPILER_OPTIONS if ops < GRAPH_MAX_OPS else None
+def graph_options(op_names):
+    """XLA's compiler options for a fused graph of these ops."""
+    if len(op_names) < GRAPH_MAX_OPS and any(name.startswith("aten.convolution") for name in op_names):
+        return KERNEL_COMPILER_OPTIONS
+    return None
 
 
 def device(index=0):
