@@ -6,7 +6,7 @@ import typing
 import jax.numpy as jnp
 import torch
 
-from .. import bounds, cache, runtime
+from .. import bounds, cache_kernels, runtime
 from ..ops import ctx
 from ..ops import random as rng
 from ..tensor import _is_contiguous, contiguous_strides, read_view, read_view_at, write_view, write_view_at
@@ -18,7 +18,7 @@ class Kernel:
     """One compiled op: fn (traceable, reused by fused mode), jitted, and how
     to rebuild its outputs."""
     __slots__ = ("fn", "jitted", "name", "out_dtypes", "out_tree", "written_slots", "avals",
-                 "stable_key", "bound", "device", "specs", "nested", "traced")
+                 "stable_key", "bound", "device", "specs", "nested", "traced", "trace_args")
 
     def __init__(self, name, fn, out_dtypes, written_slots, stable_key=None, bound=None, device=0,
                  graph=False):
@@ -41,12 +41,13 @@ class Kernel:
         self.specs = None
         # jax.jit(fn), called inside a fused graph's trace (modes/graph.py)
         self.nested = None
-        # fn's trace from fused mode's abstract evaluation, lowered by its
-        # compile (if one comes) rather than tracing fn again (cache.py).
-        self.traced = None
+        # fn's trace from fused mode's abstract evaluation (for the argument
+        # specs trace_args), lowered by its compile (if one comes) rather
+        # than tracing fn again (cache_kernels.py).
+        self.traced = self.trace_args = None
         # Loaded from its record or compiled, at its first call. graph: fn is
         # a whole graph of ops (torch.compile's), compiled as fused graphs are.
-        self.jitted = cache.jit_kernel(self, fn, cache.module_name(name), device, graph)
+        self.jitted = cache_kernels.jit_kernel(self, fn, cache_kernels.module_name(name), device, graph)
 
     @property
     def compiled(self):

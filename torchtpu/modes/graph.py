@@ -10,7 +10,7 @@ import typing
 
 import jax
 
-from .. import cache, config, metrics, runtime
+from .. import cache, cache_kernels, config, metrics, runtime
 from .refs import Fenced, Input, Result, Scalar, arguments, results
 
 
@@ -175,7 +175,7 @@ def abstract(kernel, flat):
         placed = runtime.SHARDINGS[kernel.device]  # (a kept trace is compiled for its device)
         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed) if hasattr(x, "shape") else x
                  for x in flat]
-        avals = kernel.avals = cache.eval_shape_kernel(kernel, specs)  # (through its record)
+        avals = kernel.avals = cache_kernels.eval_shape_kernel(kernel, specs)  # (through its record)
     return avals
 
 
@@ -184,7 +184,7 @@ def drop_traces(g):
     g's run did not compile op by op is compiled within graphs, if at all."""
     for kernel, _ in g.nodes:
         if getattr(kernel, "traced", None) is not None:
-            kernel.traced = None
+            kernel.traced = kernel.trace_args = None
 
 
 def call_traced(kernel, args):
@@ -219,6 +219,8 @@ def replay(nodes, live_refs, inputs, scalars, call, values=None, until=None):
     nothing."""
     values = {} if values is None else values
     fence = call is call_traced or call is call_inlined
+    if call is call_jitted:
+        cache_kernels.compile_ahead(kernel for kernel, _ in nodes)
     for ni, (kernel, refs) in enumerate(nodes):
         if until is not None and until.done and until.error is None:
             return None
