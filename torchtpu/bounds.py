@@ -400,7 +400,7 @@ def check():
     used = [f for f in _flags.values() if f.positions]
     if any(type(f.running.array) is Pending for f in used):
         return
-    flags = [(f, jax.device_get(f.running.array)) for f in used]
+    flags = [(f, jax.device_get(jax.block_until_ready(f.running.array))) for f in used]  # (to_host's why)
     checks = unread[:]
     del unread[:]
     failed, first = 0, None

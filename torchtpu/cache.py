@@ -4,9 +4,9 @@ Two tiers: an in-memory LRU of kernels over a disk cache that all modes and
 processes share. On disk (`torchtpu/cache_files.py` keeps the files: trust,
 atomic writes, checked reads, read-only mode):
 
-- each per-op kernel has a record (`kernel-<key>-cache`): its abstract trace
-  (result shapes, dtypes and structure, what fused mode needs to record the
-  op) and, once strict or debug mode compiled it, its executable;
+- each per-op kernel has a record (`kernel-<key>-cache`, cache_kernels.py):
+  its abstract trace (result shapes, dtypes and structure, what fused mode
+  needs to record the op) and, once a mode compiled it, its executable;
 - each fused graph's executable is stored (`program-<key>-cache`);
 - small values (`value-<key>-cache`): each call's meta outcome
   (dispatch.meta.meta_outcome) and the list of what a run's start-up

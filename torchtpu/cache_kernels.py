@@ -104,7 +104,7 @@ def compile_ahead(kernels):
     left to the op's own call, which raises it in its turn (the ops before
     it keep their values). compile_seconds counts the time waited for
     XLA: the batch's, in the share of its workers' time XLA compiled."""
-    todo = {id(k): k for k in kernels if k.traced is not None and not k.compiled}
+    todo = {id(k): k for k in kernels if getattr(k, "traced", None) is not None and not k.compiled}
     workers = min(len(todo), _cores())
     if workers < 2:
         return

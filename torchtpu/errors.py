@@ -198,9 +198,11 @@ def over_memory_limit(rest):
 
 
 def _out_of_memory(e, msg):
-    """A device allocation that failed (XLA's RESOURCE_EXHAUSTED) raises
-    torch.OutOfMemoryError, as CUDA's does, naming what holds the memory."""
-    if "RESOURCE_EXHAUSTED" not in str(e):
+    """A device allocation that failed (XLA's RESOURCE_EXHAUSTED, or where
+    the op was queued behind others, an INTERNAL error at its results' read
+    naming the allocation) raises torch.OutOfMemoryError, as CUDA's does,
+    naming what holds the memory."""
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory allocating" not in str(e):
         return None
     try:
         holders = _memory_holders[0]()

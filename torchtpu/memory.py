@@ -239,6 +239,18 @@ def pending_bytes(value):
     return math.prod(value.shape) * jnp.dtype(value.dtype).itemsize
 
 
+def _failed(value):
+    """Whether value is an array whose computation failed (its allocation,
+    queued behind other ops): it holds no memory. Only a finished one is
+    asked, so this waits for nothing."""
+    try:
+        if isinstance(value, jax.Array) and value.is_ready():
+            value.block_until_ready()
+    except Exception:  # noqa: BLE001 (its own error, raised where it is read)
+        return True
+    return False
+
+
 def _holders_text(most=5, pending=()):
     """The largest live device buffers, and the pending values of fused mode
     in `pending` ((value, storage) pairs: a graph's results about to be
@@ -250,7 +262,7 @@ def _holders_text(most=5, pending=()):
     held = [(a.nbytes, a, recorded[id(a)][1] if id(a) in recorded else None)
             for a in jax.live_arrays(runtime.PLATFORM)]
     held += [(pending_bytes(p), p, lines.get(owner)) for p, owner in pending]
-    held = sorted(held, key=lambda h: -h[0])[:most]
+    held = [h for h in sorted(held, key=lambda h: -h[0])[:2 * most] if not _failed(h[1])][:most]
     if not held:
         return ""
     text = [f"{n / 2**20:.1f} MiB {a.dtype}{list(a.shape)}" + (f" made at {line}" if line else "")

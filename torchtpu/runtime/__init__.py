@@ -232,6 +232,10 @@ def host_zeros(shape, dtype, index=0):
 def to_host(arr, dtype=None) -> torch.Tensor:
     """A JAX array -> a new CPU torch tensor that owns its memory (of torch
     dtype dtype, where the array's dtype stands for another: complex32)."""
+    # Waited for first: an array whose computation failed raises its error
+    # here, where reading its memory would abort the process (its own
+    # allocation having failed, as it ran queued behind others).
+    arr.block_until_ready()
     host = np.array(arr, copy=True)
     if host.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
