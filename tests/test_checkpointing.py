@@ -155,6 +155,7 @@ def test_compiled_programs_give_xla_memory_figures():
         # Sizes no other test uses: the graph is new to this process.
         a, b = torch.randn(48, 24).to("tpu"), torch.randn(24, 40).to("tpu")
         torchtpu.sync()
+        torchtpu.wait_for_compiles()  # (an earlier test's graphs, compiled in the background)
         before = {p.id for p in compiled_programs()}
         for _ in range(2):
             (a @ b).relu().sum().item()
