@@ -105,6 +105,8 @@ def compile_ahead(kernels):
     it keep their values). compile_seconds counts the time waited for
     XLA: the batch's, in the share of its workers' time XLA compiled."""
     todo = {id(k): k for k in kernels if getattr(k, "traced", None) is not None and not k.compiled}
+    if len(todo) < 2:  # (every replay asks: most find nothing to compile)
+        return
     workers = min(len(todo), _cores())
     if workers < 2:
         return
