@@ -428,3 +428,34 @@ def test_dynamic_shapes_compile_per_size():
         assert_same(out, want.detach(), rtol=1e-5, atol=1e-6)
     assert compiled_graphs.graph_fallbacks == before
     assert_same(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compile_mode", [None, "reduce-overhead"])
+def test_compiled_under_autocast_computes_in_autocasts_dtypes(mode, compile_mode):
+    """torch.compile of a step under torch.autocast(bfloat16) keeps autocast's
+    casts: its matmuls multiply bfloat16 (a linear's output is bfloat16, as
+    in eager mode), and its loss and gradients are CPU autocast's."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    model = copy.deepcopy(ref).to("tpu")
+    x = torch.randn(8, 16)
+
+    def step(m, inp):
+        with torch.autocast(inp.device.type, dtype=torch.bfloat16):
+            out = m(inp)
+            return out, out.float().square().mean()
+
+    compiled = torch.compile(step, backend="tpu", mode=compile_mode)
+    for _ in range(2):  # the second call runs the compiled graphs (or replays them)
+        out, loss = compiled(model, x.to("tpu"))
+        loss.backward()
+    want_out, want = step(ref, x)
+    want.backward()
+    want_out, want = step(ref, x)
+    want.backward()
+    assert out.dtype == want_out.dtype == torch.bfloat16
+    assert_same(out, want_out.detach(), rtol=1e-2, atol=1e-2)
+    assert_same(loss, want.detach(), rtol=1e-2, atol=1e-3)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        assert_same(p.grad, q.grad, rtol=2e-2, atol=2e-3)

@@ -16,7 +16,7 @@ import torch
 
 from .ops import amp as grad_scaler_ops
 from .ops.pointwise import _TORCH_NAMES
-from .tensor import TpuTensor
+from .tensor import DEVICE, TpuTensor
 
 from .compat import aten
 
@@ -86,10 +86,17 @@ def op_of(name):
 
 # ---- casts -------------------------------------------------------------------
 
+def _on_tpu(t):
+    """Whether t is a tensor on the device: a TpuTensor, or what stands for
+    one while torch.compile traces (a fake or functional tensor whose device
+    is tpu), so that compiled graphs get autocast's casts too."""
+    return isinstance(t, torch.Tensor) and t.device.type == DEVICE.type
+
+
 def _eligible(t):
     """Whether autocast casts t: a floating-point tpu tensor, not float64
     (CUDA's is_eligible)."""
-    if not isinstance(t, TpuTensor):
+    if not _on_tpu(t):
         return False
     dtype = t.dtype
     return dtype.is_floating_point and dtype is not torch.float64
@@ -108,12 +115,14 @@ def _cached_cast(dtype, t, lower):
     grad (model weights) to the autocast dtype are cached while
     cache_enabled and outside inference mode, until the outermost autocast
     region exits (CUDA's heuristic), so a weight used twice is cast once."""
-    if not isinstance(t, TpuTensor):
+    if not _on_tpu(t):
         return t
     src = t.dtype
     if src is dtype or not src.is_floating_point or src is torch.float64:
         return t
-    if (dtype is lower and src is torch.float32 and t.requires_grad and t.is_leaf
+    # (Only real tensors are cached: a traced one lives for its trace.)
+    if (dtype is lower and src is torch.float32 and type(t) is TpuTensor
+            and t.requires_grad and t.is_leaf
             and not t._is_view() and torch.is_autocast_cache_enabled()
             and not torch._C._is_cached_tensor(t) and not torch.is_inference_mode_enabled()):
         hit = _casts.get(id(t))
