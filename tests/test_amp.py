@@ -70,11 +70,13 @@ def _labels(n, classes):
     return torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(3))
 
 
-def _sdpa_math(q, k, v):
-    # tpu computes attention as PyTorch's math path does; CPU would pick
-    # its flash kernel for bf16 and fp16.
+def _sdpa_flash(q, k, v):
+    # tpu computes bf16 and fp16 attention as CUDA's and CPU's flash kernels
+    # do (float32 scores from the inputs' own products, weights rounded to
+    # the inputs' dtype); float32 as the math path.
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.MATH):
+    low = q.dtype in (torch.bfloat16, torch.float16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION if low else SDPBackend.MATH):
         return F.scaled_dot_product_attention(q, k, v)
 
 
@@ -86,7 +88,7 @@ CASES = [
     ("bmm", torch.bmm, lambda: [_t(2, 3, 4), _t(2, 4, 5, seed=1, dtype=BF16)]),
     ("baddbmm", torch.baddbmm, lambda: [_t(2, 3, 5), _t(2, 3, 4, seed=1), _t(2, 4, 5, seed=2)]),
     ("addmm", torch.addmm, lambda: [_t(5), _t(3, 4, seed=1), _t(4, 5, seed=2)]),
-    ("scaled_dot_product_attention", lambda q, k, v: _sdpa_math(q, k, v),
+    ("scaled_dot_product_attention", lambda q, k, v: _sdpa_flash(q, k, v),
      lambda: [_t(2, 2, 4, 8), _t(2, 2, 4, 8, seed=1), _t(2, 2, 4, 8, seed=2)]),
     ("softmax.int", lambda x: torch.softmax(x, -1), lambda: [_t(4, 6, dtype=BF16)]),
     ("log_softmax.int", lambda x: F.log_softmax(x, 1), lambda: [_t(4, 6, dtype=BF16)]),

@@ -86,36 +86,62 @@ def _dropout_keep(shape, dropout_p, seed, offset):
 
 
 def _attention(q, k, v, mask, is_causal, scale, dropout_p, seed, offset):
-    """The math path of scaled_dot_product_attention: bf16/f16 computed in
-    float32 and rounded once at the end, as PyTorch's math path does; q and k
-    each scaled by sqrt(|scale|); their product plus the mask (a bool mask as
-    0/-inf), then -inf above the diagonal if is_causal; a softmax that gives
-    0 on fully masked rows; dropout; the product with v. k and v with fewer
-    heads than q (enable_gqa): each of their heads serves that many
-    consecutive heads of q."""
+    """scaled_dot_product_attention's computation. float32 and float64 as
+    PyTorch's math path: q and k each scaled by sqrt(|scale|) before their
+    product, at the float32 matmul precision. bfloat16 and float16 as
+    CUDA's flash kernel and jax.nn.dot_product_attention compute them: the
+    products of the inputs themselves accumulated in float32 (on a TPU, the
+    matrix unit's native products; upcast first, they would cost six passes
+    each), the scale applied to those float32 scores, exp(s - max) in float32
+    rounded to the inputs' dtype for the product with v, divided by its
+    float32 sum, the result rounded once. In every dtype: the mask added (a
+    bool mask as 0/-inf), -inf above the diagonal if is_causal; weights of 0
+    on fully masked rows; dropout. k and v with fewer heads than q
+    (enable_gqa): each of their heads serves that many consecutive heads of q."""
     dtype = q.dtype
-    q, k, v = _up(q), _up(k), _up(v)
+    low = dtype in (jnp.bfloat16, jnp.float16)
+    if not low:
+        q, k, v = _up(q), _up(k), _up(v)
     if k.ndim >= 3 and k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
         k, v = jnp.repeat(k, group, axis=-3), jnp.repeat(v, group, axis=-3)
-    root = math.sqrt(abs(scale))
-    s = jnp.matmul(q * (-root if scale < 0 else root), jnp.swapaxes(k * root, -1, -2),
-                   precision=matmul_precision())
+    if low:
+        s = jnp.matmul(q, jnp.swapaxes(k, -1, -2), preferred_element_type=jnp.float32) * scale
+    else:
+        root = math.sqrt(abs(scale))
+        s = jnp.matmul(q * (-root if scale < 0 else root), jnp.swapaxes(k * root, -1, -2),
+                       precision=matmul_precision())
     if mask is not None:
         s = s + (jnp.where(mask, 0, -jnp.inf).astype(s.dtype) if mask.dtype == jnp.bool_
                  else mask.astype(s.dtype))
     if is_causal:
         # With a mask as well, both apply (as on CPU; the math path refuses).
         s = jnp.where(jnp.tril(jnp.ones((q.shape[-2], k.shape[-2]), jnp.bool_)), s, -jnp.inf)
+    if low:
+        # The flash kernels' order: exp(s - max) rounded for the product with
+        # v, the division by its float32 sum last. A fully masked row's
+        # weights are all exp(-inf) = 0, and so is its result.
+        top = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+        masked = top == -jnp.inf
+        e = jnp.exp(s - jnp.where(masked, 0, top))
+        total = jnp.where(masked, 1, jnp.sum(e, axis=-1, keepdims=True))
+        e = _dropped(e, dropout_p, seed, offset)
+        return (jnp.matmul(e.astype(dtype), v, preferred_element_type=jnp.float32) / total).astype(dtype)
     # Softmax of a finite stand-in on fully masked rows: their gradient is 0,
     # not the NaN a softmax of -inf alone would give.
     masked = jnp.all(s == -jnp.inf, axis=-1, keepdims=True)
     p = jnp.where(masked, 0, jax.nn.softmax(jnp.where(masked, 0, s), axis=-1))
-    if dropout_p >= 1:
-        p = jnp.zeros_like(p)
-    elif dropout_p > 0:
-        p = jnp.where(_dropout_keep(p.shape, dropout_p, seed, offset), p * (1 / (1 - dropout_p)), 0)
+    p = _dropped(p, dropout_p, seed, offset)
     return jnp.matmul(p, v, precision=matmul_precision()).astype(dtype)
+
+
+def _dropped(p, dropout_p, seed, offset):
+    """Attention weights p after dropout."""
+    if dropout_p >= 1:
+        return jnp.zeros_like(p)
+    if dropout_p > 0:
+        return jnp.where(_dropout_keep(p.shape, dropout_p, seed, offset), p * (1 / (1 - dropout_p)), 0)
+    return p
 
 
 @lower(torch.ops.torchtpu.attention.default, matmul=True)
