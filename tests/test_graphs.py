@@ -50,6 +50,21 @@ def test_replayed_training_step_trains_as_cpu(mode, optimizer):
     _check_training(_mlp, (4, 6), optimizer, mode)
 
 
+def test_replayed_step_of_a_long_forward_trains_as_cpu(mode):
+    """A forward of more ops than fused mode runs before its backward
+    (FORWARD_FLUSH_OPS) is captured whole with its backward: capture makes
+    one graph of the step, as for a short one."""
+    from torchtpu.modes import fused
+
+    def deep():
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(6, 6)]
+        for _ in range(fused.FORWARD_FLUSH_OPS // 2):
+            layers += [torch.nn.Tanh(), torch.nn.Linear(6, 6)]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(6, 3))
+    _check_training(deep, (4, 6), "adamw", mode, dict(rtol=1e-4, atol=1e-5))
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_replayed_cnn_and_transformer_steps_train_as_cpu(name, optimizer):

@@ -154,8 +154,8 @@ class FusedExecutor(StrictExecutor):
             self._limit = max_ops()  # (read as each graph starts: a change applies from there)
         backward = _graph_task_id() != -1
         if ni >= self._limit or kernel.device != g.device or (
-                backward and self._forward_ops >= FORWARD_FLUSH_OPS and not self._collectives_seen
-                and not torch.compiler.is_compiling()):
+                backward and self.fuses and self._forward_ops >= FORWARD_FLUSH_OPS
+                and not self._collectives_seen and not torch.compiler.is_compiling()):
             if ni:
                 # Flush before recording (a graph runs on one device; a
                 # backward pass runs its long forward first): every earlier
