@@ -222,12 +222,13 @@ def _tpu_step_fn(model, mode, smoke):
     import torch.nn.functional as F
     import torchtpu
     net, x, y, flops, autocast = _model_and_batch(model, smoke)
-    eager = "strict" if mode in ("replayed", "compiled") else mode
-    with torchtpu.eager_mode(eager):
-        net = net.to("tpu")
-        x, y = x.to("tpu"), y.to("tpu")
-        opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                capturable=mode in ("replayed", "compiled"))
+    # The mode for the whole process, as a script sets it (leaving a
+    # `with torchtpu.eager_mode(...)` block each step would be a sync point).
+    torchtpu.set_eager_mode("strict" if mode in ("replayed", "compiled") else mode)
+    net = net.to("tpu")
+    x, y = x.to("tpu"), y.to("tpu")
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            capturable=mode in ("replayed", "compiled"))
 
     def loss_of(x, y):
         with torch.autocast("tpu", dtype=torch.bfloat16, enabled=autocast):
@@ -251,23 +252,21 @@ def _tpu_step_fn(model, mode, smoke):
         graph, captured = [], []
 
         def run():
-            with torchtpu.eager_mode(eager):
-                if graph:
-                    graph[0].replay()
-                    return captured[0].item()
-                loss = step().item()
-                if run.steps == 2:  # captured after two eager steps, as CUDA scripts do
-                    graph.append(torch.tpu.TPUGraph())
-                    with torch.tpu.graph(graph[0]):
-                        captured.append(step())
-                run.steps += 1
-                return loss
+            if graph:
+                graph[0].replay()
+                return captured[0].item()
+            loss = step().item()
+            if run.steps == 2:  # captured after two eager steps, as CUDA scripts do
+                graph.append(torch.tpu.TPUGraph())
+                with torch.tpu.graph(graph[0]):
+                    captured.append(step())
+            run.steps += 1
+            return loss
         run.steps = 0
         return run, flops
 
     def run():
-        with torchtpu.eager_mode(eager):
-            return step().item()
+        return step().item()
     return run, flops
 
 

@@ -352,3 +352,36 @@ def test_a_failed_check_passes_over_a_dead_weak_proxy(mode):
         x.index_select(0, torch.tensor([9]).to("tpu")).cpu()
     with pytest.raises(ReferenceError):
         proxy.anything  # (the proxy is dead)
+
+
+def test_fused_loss_read_waits_for_its_own_checks_only():
+    """Fused mode: a loss read after the optimizer step has its own index
+    checks read (those of the forward, whose graph ran when the backward
+    began), not the later ones: the step's backward still runs on the device
+    while the host goes on. A bad index after the loss raises at the next
+    sync point, naming its line, and what it produced is lost."""
+    with torchtpu.eager_mode("fused"):
+        cpu = _model(60)
+        model = _model(60).to("tpu")
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (cpu, model)]
+        tokens, target = torch.tensor([1, 9]), torch.tensor([0, 2])
+        for _ in range(2):
+            loss = _step(model, opts[1], tokens.to("tpu"), target.to("tpu"))
+            assert bounds.unread  # the backward's checks: not read by the loss read
+            assert loss == pytest.approx(_step(cpu, opts[0], tokens, target), rel=1e-5)
+        opts[1].zero_grad()
+        loss = F.cross_entropy(model(tokens.to("tpu")), target.to("tpu"))
+        loss.backward()
+        opts[1].step()
+        late = model[0].weight.sum(1)[torch.tensor([11]).to("tpu")]  # out of range, after the loss
+        opts[0].zero_grad()
+        want = F.cross_entropy(cpu(tokens), target)
+        assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+        with pytest.raises(IndexError, match=r"index 11 is out of bounds .*aten.index.Tensor at .*test_index_bounds.py:"):
+            torchtpu.sync()
+        with pytest.raises(RuntimeError, match="no value"):
+            late.cpu()
+        want.backward()
+        opts[0].step()
+        for p, q in zip(model.parameters(), cpu.parameters()):
+            assert_same(p, q, rtol=1e-5, atol=1e-6)

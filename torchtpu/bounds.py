@@ -19,6 +19,7 @@ of giving a garbage value, while tensors that do not depend on the bad op
 keep theirs. Debug mode checks on the host before the op runs
 (check_on_host) and records nothing here.
 """
+import bisect
 import gc
 import sys
 
@@ -267,7 +268,7 @@ class _Flags:
     since the last check (a Storage: fused mode materializes what one
     holds), the one debug mode passes (it checked on the host; its flag is
     dropped), and the positions in unread of the ops merged into it."""
-    __slots__ = ("running", "idle", "blank", "positions")
+    __slots__ = ("running", "idle", "blank", "positions", "snapshots")
 
     def __init__(self, index):
         # A kernel and its inputs share a device (a flag too). A host array
@@ -276,6 +277,9 @@ class _Flags:
         self.running = Storage(self.blank, index)
         self.idle = Storage(self.blank, index)
         self.positions = []
+        # (flag array, n): the running flag as a fused graph left it, covering
+        # positions[:n] (note_flushed); held, so no later graph donates it.
+        self.snapshots = []
 
 
 _flags = {}  # device index -> _Flags
@@ -389,6 +393,42 @@ def propagate(inputs, produced):
         _taint(produced, deps)
 
 
+def note_flushed(device=0):
+    """A fused graph ran on tpu:device: the running flag it returned covers
+    the checks noted there so far. A value computed by then can have its
+    checks read from it (checked_for) while later graphs still run."""
+    f = _flags.get(device)
+    if f is None or not f.positions:
+        return
+    arr = f.running.array
+    if isinstance(arr, jax.Array) and (not f.snapshots or f.snapshots[-1][1] != len(f.positions)):
+        f.snapshots.append((arr, len(f.positions)))
+
+
+def checked_for(storage):
+    """Read the index checks storage's value depends on, and only those:
+    from the flags of the graphs that computed it, not waiting for graphs
+    issued after them (a training step's backward, while its loss is read).
+    True if every one was in range. False where that cannot be told so (no
+    such flag; an index out of range among them): the caller then reads
+    every flag with check(), which raises. The checks it read stay unread,
+    for check() at a later sync point to read with the rest."""
+    deps = _deps((storage,))
+    if not deps:
+        return True
+    need = deps.bit_length()  # the checks at positions below it
+    arrays = []
+    for f in _flags.values():
+        count = bisect.bisect_left(f.positions, need)
+        if not count:
+            continue
+        arr = next((a for a, n in f.snapshots if n >= count), None)
+        if arr is None or arr.is_deleted():
+            return False
+        arrays.append(arr)
+    return not any(flag[1] for flag in jax.device_get(arrays))
+
+
 # ---- at sync points --------------------------------------------------------------
 
 def check():
@@ -406,6 +446,7 @@ def check():
     failed, first = 0, None
     for f, flag in flags:
         positions, f.positions = f.positions, []
+        f.snapshots = []
         f.running.assign(f.blank)
         if not flag[1]:
             continue

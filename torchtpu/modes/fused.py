@@ -291,9 +291,15 @@ class FusedExecutor(StrictExecutor):
                 and bounds.depends_on_unread(storage):
             # Its value is known (its graph ran when a backward pass began),
             # but the flag of an index check it depends on is pending: run
-            # the graph, so that the check is read here. (Not when the graph
-            # holds a collective: one rank's read may not run it.)
+            # the graph. (Not when the graph holds a collective: one rank's
+            # read may not run it.) The value's own checks are read from the
+            # flag its graph returned: a loss read after the optimizer step
+            # waits for its forward only, and the host records the next step
+            # while the device runs this one's backward; the later checks are
+            # read at the next sync, their values marked lost if out of range.
             self.flush(reason)
+            if bounds.checked_for(storage):
+                return storage.array
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
@@ -366,6 +372,7 @@ class FusedExecutor(StrictExecutor):
         try:
             with profiling.span(lambda: f"torchtpu flush ({reason}): {len(g.nodes)} ops at {errors.user_line()}"):
                 self._issue(g, live, renamed, reason)
+            bounds.note_flushed(g.device)
         except Exception as e:
             errors.note_fused_graph(e, g, reason, checks.graph_lines(g))  # its message names the graph's ops
             raise
