@@ -499,3 +499,25 @@ def test_a_small_graph_waits_for_xla_only_if_its_kernels_would(fused, kernels_co
             torchtpu.wait_for_compiles()
     assert STATS.graphs_compiled - compiled == 1
     assert STATS.graph_cache_hits - hits >= 2
+
+
+def test_graph_scalars_travel_packed_and_promote_as_python_scalars():
+    """A compiled graph takes its Python float and int scalars as one array of
+    each (a transfer per kind, not per scalar), and inside they promote as
+    the Python scalars do: a bfloat16 tensor times a float stays bfloat16."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from torchtpu.modes.graph import ScalarPacking
+    scalars = [0.5, 3, True, 2.5, -7]
+    packing = ScalarPacking(scalars)
+    packed = packing.pack(scalars)
+    assert [a.dtype for a in packed[:2]] == [np.float64, np.int64]
+    assert [len(a) for a in packed[:2]] == [2, 2] and packed[2] == (True,)
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.int32):
+        x = jnp.arange(3).astype(dtype)
+        got = jax.jit(lambda x, packed: [x * s for s in packing.unpack(packed)])(x, packed)
+        want = jax.jit(lambda x, scalars: [x * s for s in scalars])(x, scalars)
+        assert [g.dtype for g in got] == [w.dtype for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(w, np.float64))

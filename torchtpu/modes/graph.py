@@ -9,6 +9,7 @@ import time
 import typing
 
 import jax
+import numpy as np
 
 from .. import cache, cache_kernels, config, metrics, runtime
 from .refs import Fenced, Input, Result, Scalar, arguments, results
@@ -316,24 +317,25 @@ def build(g, live_refs, donate=None, when="first call", piece=False):
 
     mesh_jit = collective_jit(nodes)
     call = call_traced if mesh_jit is None else call_inlined
+    scalars_in = ScalarPacking(g.scalars)
 
-    def graph(donated, rest, scalars):
+    def graph(donated, rest, packed):
         inputs = [None] * len(donate)
         for i, x in zip(given, donated):
             inputs[i] = x
         for i, x in zip(kept, rest):
             inputs[i] = x
-        return replay(nodes, live_refs, inputs, scalars, call)
+        return replay(nodes, live_refs, inputs, scalars_in.unpack(packed), call)
 
     graph.__name__ = graph.__qualname__ = f"tpu_fused_{len(nodes)}ops"
-    args = ([g.inputs[i] for i in given], [g.inputs[i] for i in kept], g.scalars)
+    args = ([g.inputs[i] for i in given], [g.inputs[i] for i in kept], scalars_in.pack(g.scalars))
     if mesh_jit is not None:
         # It holds a collective: one program over the group's devices.
         jitted = mesh_jit(graph, args, (0,) if given else (), nodes, live_refs)
     else:
         key_text = _stable_key(nodes, live_refs, g)
         if key_text is not None:
-            key_text += f"\ndonated {given}"
+            key_text += f"\ndonated {given}\nscalars packed {scalars_in.layout}"
         jitted = cache.jit_stored(graph, args, key_text, donate_argnums=(0,) if given else (),
                                   device=g.device, when=when,
                                   options=None if piece else runtime.graph_options([k.name for k, _ in nodes]))
@@ -341,16 +343,72 @@ def build(g, live_refs, donate=None, when="first call", piece=False):
 
     if jitted is None:
         return None
+    pack = scalars_in.pack
     if mesh_jit is None and when != "first call":
         def run(inputs, scalars):
-            return jitted.value([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
+            return jitted.value([inputs[i] for i in given], [inputs[i] for i in kept], pack(scalars))
         run.job = jitted
     else:
         def run(inputs, scalars):
-            return jitted([inputs[i] for i in given], [inputs[i] for i in kept], scalars)
+            return jitted([inputs[i] for i in given], [inputs[i] for i in kept], pack(scalars))
     specs = cache.shape_specs(args)
     run.executable = lambda: cache.compiled_of(jitted, specs)
     return run
+
+
+class ScalarPacking:
+    """How a compiled graph takes its dynamic scalars: the Python floats in
+    one float64 host array, the ints in one int64 array, anything else as it
+    is. A call then makes one transfer per kind, not one per scalar (an
+    AdamW step's graph has a few hundred: its step sizes, a transfer each,
+    cost a TPU host more than 20 ms a step). Inside, each is a weakly typed
+    scalar of its array's dtype, as JAX makes a Python scalar argument, so
+    type promotion is the same."""
+    __slots__ = ("layout",)
+
+    _KINDS = {float: 0, int: 1}  # (exact types: a bool is not packed)
+    _DTYPES = (np.float64, np.int64)
+
+    def __init__(self, scalars):
+        counts = [0, 0]
+        layout = []
+        for x in scalars:
+            kind = self._KINDS.get(type(x)) if _weak is not None else None
+            if kind is None:
+                layout.append(None)
+            else:
+                layout.append((kind, counts[kind]))
+                counts[kind] += 1
+        self.layout = tuple(layout)
+
+    def pack(self, scalars):
+        kinds = ([], [])
+        others = []
+        for x, place in zip(scalars, self.layout):
+            if place is None:
+                others.append(x)
+            else:
+                kinds[place[0]].append(x)
+        return (*(np.array(values, dtype) for values, dtype in zip(kinds, self._DTYPES)), tuple(others))
+
+    def unpack(self, packed):
+        *arrays, others = packed
+        others = iter(others)
+        return [next(others) if place is None else _weak(arrays[place[0]][place[1]])
+                for place in self.layout]
+
+
+def _weak_scalar():
+    """A function making a traced scalar weakly typed (JAX's own, private:
+    without it, scalars are not packed)."""
+    try:
+        from jax._src.lax.lax import _convert_element_type
+    except ImportError:
+        return None
+    return lambda x: _convert_element_type(x, x.dtype, weak_type=True)
+
+
+_weak = _weak_scalar()
 
 
 def executable_of(entry):
