@@ -1,6 +1,15 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# JAX's TPU build (the tpu extra) on a TPU machine: TORCHTPU_TPU=1, or =auto
+# (the default) where the machine has a TPU's device files; =0 never.
+TORCHTPU_TPU ?= auto
+comma := ,
+ifeq ($(TORCHTPU_TPU),auto)
+TPU_EXTRA := $(if $(wildcard /dev/accel* /dev/vfio/[0-9]*),$(comma)tpu)
+else ifeq ($(TORCHTPU_TPU),1)
+TPU_EXTRA := $(comma)tpu
+endif
 
 .PHONY: install test demo bench clean
 
@@ -9,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build this machine has on disk; pyproject.toml admits 2.11-2.13.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test$(TPU_EXTRA)]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -318,6 +318,17 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 # The attributes that make a TpuTensor's handle on its data: not the user's
 # Python attributes (which deepcopy, pickle and module conversion carry).
 HANDLE = ("_storage", "_view", "_key")
+# What else a tpu parameter's __dict__ holds that is not the user's.
+_OWN_ATTRIBUTES = HANDLE + ("_is_param",)
+
+
+def _tensor(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):
+    """TpuTensor(storage, shape, ...): a tensor viewing storage."""
+    if stride is None:
+        return whole_tensor(storage, tuple(shape), dtype, requires_grad, cls)
+    storage_shape = storage.array.shape
+    key = (dtype, storage_shape, make_view(storage_shape, shape, stride, offset), storage.device)
+    return view_tensor(storage, shape, stride, offset, key, requires_grad, cls)
 
 
 class TpuTensor(torch.Tensor):
@@ -330,12 +341,25 @@ class TpuTensor(torch.Tensor):
     that (torchtpu.module_conversion)."""
 
     @staticmethod
-    def __new__(cls, storage, shape, dtype, stride=None, offset=0, requires_grad=False):
-        if stride is None:
-            return whole_tensor(storage, tuple(shape), dtype, requires_grad, cls)
-        storage_shape = storage.array.shape
-        key = (dtype, storage_shape, make_view(storage_shape, shape, stride, offset), storage.device)
-        return view_tensor(storage, shape, stride, offset, key, requires_grad, cls)
+    def __new__(cls, *args, **kwargs):
+        """Two signatures, told apart by the first argument:
+
+        - torchtpu's own, (storage, shape, dtype, stride=None, offset=0,
+          requires_grad=False) with a Storage first: a tensor on it.
+        - nn.Parameter's, (data=None, requires_grad=True): what
+          nn.Parameter(data, requires_grad) gives. PyTorch keeps a wrapper
+          subclass's class for nn.Parameter(t) (marking it _is_param), so a
+          tpu parameter's type(p) is TpuTensor where a cuda one's is
+          nn.Parameter, and code rebuilds parameters as
+          type(p)(data, requires_grad=...): Accelerate's
+          set_module_tensor_to_device (from_pretrained's device_map and
+          offloading), init_on_device (as type(p)(data, **p.__dict__), whose
+          handle entries are p's own and ignored here)."""
+        if args and isinstance(args[0], Storage):
+            return _tensor(cls, *args, **kwargs)
+        for name in _OWN_ATTRIBUTES:
+            kwargs.pop(name, None)
+        return torch.nn.Parameter(*args, **kwargs)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
