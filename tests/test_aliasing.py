@@ -281,3 +281,27 @@ def test_inplace_view_ops_change_the_tensor_itself(mode):
     assert_same(tx, x)
     assert_same(tv, v)
     assert_same(ty, y)
+
+
+def test_strided_views_of_a_storage_read_as_on_cpu():
+    """Every (shape, strides, offset) view of a storage reads CPU's elements,
+    through as_strided on tpu: overlapping, broadcast (stride 0), permuted,
+    and sub-blocks at an offset (an attention's q, k and v in one qkv
+    projection), whether or not the view's rows reach the storage's end."""
+    import random
+    rng = random.Random(0)
+    base = torch.arange(120, dtype=torch.float32).reshape(10, 12)
+    tpu = base.to("tpu")
+    checked = 0
+    while checked < 300:
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 4)))
+        stride = tuple(rng.choice([0, 1, 2, 3, 4, 5, 6, 12, 24, 60]) for _ in shape)
+        offset = rng.randint(0, 40)
+        if offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride)) > base.numel():
+            continue
+        assert_same(tpu.as_strided(shape, stride, offset), base.as_strided(shape, stride, offset))
+        checked += 1
+    qkv = torch.randn(2, 5, 3 * 8)
+    for part in range(3):
+        view = qkv.view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)[part]
+        assert_same(qkv.to("tpu").view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)[part] * 1, view * 1)

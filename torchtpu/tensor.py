@@ -557,6 +557,10 @@ def _read_flat(flat, shape, stride, offset):
     if not dims:
         return jnp.broadcast_to(flat[offset], shape)
     top = dims[0]
+    if static:
+        block = _block_of(flat, shape, stride, offset, dims)
+        if block is not None:
+            return _finish(block, dims, shape, stride)
     need = shape[top] * stride[top]
     # The window of whole rows of the top dim may reach past the storage's
     # end (x[:, :5] of the last rows): padded there.
@@ -569,6 +573,31 @@ def _read_flat(flat, shape, stride, offset):
     window = window.reshape(dense)
     index = (slice(None),) + tuple(slice(0, shape[b]) for b in dims[1:]) + (0,)
     return _finish(window[index], dims, shape, stride)
+
+
+def _block_of(flat, shape, stride, offset, dims):
+    """The view as a block of the whole storage reshaped by the view's
+    strides (dims: its dense chain), with the view's dims in `dims` order; or
+    None where the view does not fit such a block (its rows wrap around).
+    No window is cut and padded from the flat array: XLA sees one reshape of
+    the storage and a slice, as for `qkv.view(b, t, 3, h, e)[:, :, 1]` written
+    in JAX (on a TPU, each reshape through a flat array is a copy)."""
+    strides = [stride[d] for d in dims]
+    if len(flat) % strides[0]:
+        return None
+    sizes = [len(flat) // strides[0]] + [a // b for a, b in zip(strides, strides[1:])]
+    if strides[-1] != 1:
+        strides.append(1)
+        sizes.append(stride[dims[-1]])
+    starts, rest = [], offset
+    for st in strides:
+        starts.append(rest // st)
+        rest %= st
+    counts = [shape[d] for d in dims] + [1] * (len(strides) - len(dims))
+    if any(s + n > size for s, n, size in zip(starts, counts, sizes)):
+        return None
+    block = lax.slice(flat.reshape(sizes), starts, [s + n for s, n in zip(starts, counts)])
+    return block.reshape(counts[:len(dims)])
 
 
 def _extent(shape, stride):
