@@ -318,7 +318,8 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 # The attributes that make a TpuTensor's handle on its data: not the user's
 # Python attributes (which deepcopy, pickle and module conversion carry).
 HANDLE = ("_storage", "_view", "_key")
-# What else a tpu parameter's __dict__ holds that is not the user's.
+# What a tpu parameter's __dict__ holds that is not the user's: the handle
+# and nn.Parameter's mark.
 _OWN_ATTRIBUTES = HANDLE + ("_is_param",)
 
 
