@@ -21,7 +21,8 @@ torchtpu's cost per op beside a jitted JAX add's cost per call, on the
 same host.
 
 Each figure comes from its own process with a timeout (one process holds
-the chip at a time); a failure or a timeout is a row saying so. With
+the chip at a time; a smoke run's all come from one); a failure or a
+timeout is a row saying so. With
 --profile DIR, the steady rows also write a device trace of a few steps
 (jax.profiler) and the table of their device ops by time.
 
@@ -430,6 +431,8 @@ def _cpu_losses(model, smoke):
 
 def child(spec):
     sys.path[:0] = [ROOT, HERE]
+    if isinstance(spec, list):
+        return _children_in_one(spec)
     what = spec["what"]
     if what == "env":
         return _environment()
@@ -440,13 +443,30 @@ def child(spec):
     return _measure_step(spec["model"], spec["mode"], spec["smoke"], spec.get("profile"))
 
 
+def _children_in_one(specs):
+    """A smoke run's figures, one after another in this process (a process
+    each costs seconds of start-up; a smoke run's figures are not kept)."""
+    import torchtpu
+    results = []
+    for spec in specs:
+        try:
+            results.append(child(spec))
+        except Exception as e:
+            results.append({"error": f"{type(e).__name__}: {e}"[:400]})
+        finally:
+            os.environ.pop("TORCHTPU_FUSED_COMPILE", None)  # (the fused row's setting)
+            torchtpu.set_eager_mode("strict")
+    return results
+
+
 # ---- the parent ---------------------------------------------------------------------
 
 def run_child(spec, timeout, cache_dir):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
     env = dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    if spec["smoke"] or spec["what"] == "cpu":
+    first = spec[0] if isinstance(spec, list) else spec
+    if first["smoke"] or first["what"] == "cpu":
         env["TORCHTPU_PLATFORM"] = env["JAX_PLATFORMS"] = "cpu"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -523,14 +543,25 @@ def main(argv=None):
         return
     start = time.perf_counter()
     results = {"steps": {}}
+    specs = [{"what": "env"}] + plan(args.rows.split(","))
+    for spec in specs:
+        spec["smoke"] = args.smoke
+        if args.profile and spec.get("mode") in ("jax", "fused", "replayed", "compiled"):
+            spec["profile"] = os.path.abspath(args.profile)
     with tempfile.TemporaryDirectory(prefix="torchtpu-tpu-bench-") as cache_dir:
-        for spec in [{"what": "env"}] + plan(args.rows.split(",")):
-            spec["smoke"] = args.smoke
-            if args.profile and spec.get("mode") in ("jax", "fused", "replayed", "compiled"):
-                spec["profile"] = os.path.abspath(args.profile)
+        together = None
+        if args.smoke:
+            together = run_child(specs, min(args.budget, args.timeout * len(specs)), cache_dir)
+            if not isinstance(together, list):  # (its error, for every figure)
+                together = [together] * len(specs)
+        for i, spec in enumerate(specs):
             left = args.budget - (time.perf_counter() - start)
-            result = (run_child(spec, min(args.timeout, left), cache_dir) if left > 20
-                      else {"error": "not run: the time budget was spent"})
+            if together is not None:
+                result = together[i]
+            elif left > 20:
+                result = run_child(spec, min(args.timeout, left), cache_dir)
+            else:
+                result = {"error": "not run: the time budget was spent"}
             if spec["what"] in ("env", "per_op"):
                 results[spec["what"]] = result
             else:

@@ -426,7 +426,7 @@ def checked_for(storage):
         if arr is None or arr.is_deleted():
             return False
         arrays.append(arr)
-    return not any(flag[1] for flag in jax.device_get(arrays))
+    return not any(flag[1] for flag in jax.device_get(jax.block_until_ready(arrays)))  # (to_host's why)
 
 
 # ---- at sync points --------------------------------------------------------------
