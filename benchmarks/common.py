@@ -34,6 +34,21 @@ def timings(fn, repeats, warmup=1):
     return statistics.median(times), min(times)
 
 
+def in_one_process(measure, specs, reset):
+    """[measure(spec) for each spec], one after another in this process, a
+    spec's exception its {"error": ...}, reset() after each: a smoke run's
+    figures (a process each costs seconds of start-up; they are not kept)."""
+    results = []
+    for spec in specs:
+        try:
+            results.append(measure(spec))
+        except Exception as e:
+            results.append({"error": f"{type(e).__name__}: {e}"[:400]})
+        finally:
+            reset()
+    return results
+
+
 def alternating_ms(fns, repeats, warmup):
     """{name: median ms of fns[name]()}, the calls alternating between the
     functions so that all of them see the same machine load."""

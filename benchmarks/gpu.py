@@ -204,18 +204,11 @@ def child(spec):
 
 
 def _children_in_one(specs):
-    """A smoke run's figures, measured one after another in this process
-    (a process each costs a minute of start-ups; its figures are not kept)."""
+    """A smoke run's figures, measured one after another in this process."""
     import torch
-    results = []
-    for spec in specs:
-        try:
-            results.append(child(spec))
-        except Exception as e:
-            results.append({"error": f"{type(e).__name__}: {e}"[:400]})
-        finally:
-            torch.set_float32_matmul_precision("highest")  # (a "_high" mode's setting)
-    return results
+    from common import in_one_process
+    # (a "_high" mode's setting undone after each)
+    return in_one_process(child, specs, lambda: torch.set_float32_matmul_precision("highest"))
 
 
 # ---- the parent: one subprocess per figure ----------------------------------------

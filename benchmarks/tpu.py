@@ -361,17 +361,12 @@ def _measure_per_op(smoke):
     import jax.numpy as jnp
     import torch
     import torchtpu
+    from common import timings
     size = SIZES[smoke]["per_op"]
     n, repeats = size["n_ops"], size["repeats"]
 
     def per(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) / n * 1e6
+        return timings(fn, repeats)[0] / n * 1e6
 
     y = jnp.ones((size["size"],) * 2, jnp.float32)
     add = jax.jit(lambda c, y: c + y)
@@ -444,19 +439,14 @@ def child(spec):
 
 
 def _children_in_one(specs):
-    """A smoke run's figures, one after another in this process (a process
-    each costs seconds of start-up; a smoke run's figures are not kept)."""
+    """A smoke run's figures, one after another in this process."""
     import torchtpu
-    results = []
-    for spec in specs:
-        try:
-            results.append(child(spec))
-        except Exception as e:
-            results.append({"error": f"{type(e).__name__}: {e}"[:400]})
-        finally:
-            os.environ.pop("TORCHTPU_FUSED_COMPILE", None)  # (the fused row's setting)
-            torchtpu.set_eager_mode("strict")
-    return results
+    from common import in_one_process
+
+    def reset():
+        os.environ.pop("TORCHTPU_FUSED_COMPILE", None)  # (the fused row's setting)
+        torchtpu.set_eager_mode("strict")
+    return in_one_process(child, specs, reset)
 
 
 # ---- the parent ---------------------------------------------------------------------
