@@ -385,3 +385,28 @@ def test_fused_loss_read_waits_for_its_own_checks_only():
         opts[0].step()
         for p, q in zip(model.parameters(), cpu.parameters()):
             assert_same(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_graph_failing_before_its_check_leaves_later_checks_working():
+    """A fused graph that fails (here: out of memory) before its indexing op
+    ran raises at its flush, and loses its index-check flag with its other
+    results. The flag goes back to the one before that graph: a later index
+    op and its read give CPU's value, and later syncs raise nothing."""
+    with torchtpu.eager_mode("fused"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the graph's op-by-op retry)
+        x = torch.arange(5.0).to("tpu")
+        i = torch.tensor([1]).to("tpu")
+        huge = torch.ones(2 ** 36, device="tpu")  # noqa: F841  (fails when the graph runs)
+        y = x[i]
+        with pytest.raises(torch.OutOfMemoryError):
+            y.item()
+        z = x[torch.tensor([2, -1]).to("tpu")] * 2
+        assert_same(z, torch.arange(5.0)[torch.tensor([2, -1])] * 2)
+        torchtpu.sync()
+        with pytest.raises(RuntimeError, match="no value"):
+            y.cpu()
+        bad = x[torch.tensor([9]).to("tpu")]
+        with pytest.raises(IndexError, match="index 9 is out of bounds"):
+            torchtpu.sync()
+        with pytest.raises(RuntimeError, match="no value"):
+            bad.cpu()

@@ -294,7 +294,32 @@ def _flags_of(index):
 
 def flag_input(debug, device=0):
     f = _flags_of(device)
-    return f.idle if debug else f.running
+    if debug:
+        return f.idle
+    if type(f.running.array) is Lost:
+        _restore(f)
+    return f.running
+
+
+def graph_failed(device=0):
+    """A fused graph on tpu:device failed (its error raised at its flush),
+    leaving the running flag it was to return lost: see _restore."""
+    f = _flags.get(device)
+    if f is not None and type(f.running.array) is Lost:
+        _restore(f)
+
+
+def _restore(f):
+    """f's running flag, lost with the graph that was to return it, goes
+    back to the flag the graph before it returned (its last snapshot; none:
+    the blank one). The checks made after that are unknown: what depends on
+    them is lost with the graph's error (its own results are already)."""
+    error = f.running.array.error
+    arr, n = f.snapshots[-1] if f.snapshots else (f.blank, 0)
+    gone, f.positions = f.positions[n:], f.positions[:n]
+    f.running.assign(arr)
+    if gone:
+        _mark_lost(sum(1 << p for p in gone), error)
 
 
 # ---- what depends on unread checks ----------------------------------------------
@@ -437,6 +462,9 @@ def check():
     out-of-range index, after marking what depends on a bad op Lost."""
     if not unread:
         return
+    for f in _flags.values():
+        if type(f.running.array) is Lost:
+            _restore(f)
     used = [f for f in _flags.values() if f.positions]
     if any(type(f.running.array) is Pending for f in used):
         return
