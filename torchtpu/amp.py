@@ -16,7 +16,7 @@ import torch
 
 from .ops import amp as grad_scaler_ops
 from .ops.pointwise import _TORCH_NAMES
-from .tensor import DEVICE, TpuTensor
+from .tensor import TpuTensor, on_device
 
 from .compat import aten
 
@@ -86,17 +86,11 @@ def op_of(name):
 
 # ---- casts -------------------------------------------------------------------
 
-def _on_tpu(t):
-    """Whether t is a tensor on the device: a TpuTensor, or what stands for
-    one while torch.compile traces (a fake or functional tensor whose device
-    is tpu), so that compiled graphs get autocast's casts too."""
-    return isinstance(t, torch.Tensor) and t.device.type == DEVICE.type
-
-
 def _eligible(t):
     """Whether autocast casts t: a floating-point tpu tensor, not float64
-    (CUDA's is_eligible)."""
-    if not _on_tpu(t):
+    (CUDA's is_eligible). By device, not class: under torch.compile the
+    tensors traced are fake ones on tpu, and get the casts too."""
+    if not on_device(t):
         return False
     dtype = t.dtype
     return dtype.is_floating_point and dtype is not torch.float64
@@ -115,7 +109,7 @@ def _cached_cast(dtype, t, lower):
     grad (model weights) to the autocast dtype are cached while
     cache_enabled and outside inference mode, until the outermost autocast
     region exits (CUDA's heuristic), so a weight used twice is cast once."""
-    if not _on_tpu(t):
+    if not on_device(t):
         return t
     src = t.dtype
     if src is dtype or not src.is_floating_point or src is torch.float64:

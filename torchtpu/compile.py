@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import is_internal
 from .integrations.after_import import when_imported
-from .tensor import DEVICE, TpuTensor
+from .tensor import DEVICE, TpuTensor, on_device
 
 _routing_warned = False
 
@@ -106,16 +106,12 @@ def _same_tangent(self, expected_meta, expected_type=None):
     return self
 
 
-def _on_device(value):
-    return isinstance(value, torch.Tensor) and value.device.type == DEVICE.type
-
-
 def graph_uses_device(gm, example_inputs):
     """Whether a Dynamo graph takes or makes tensors on the device: an input,
     or any node's example value (Dynamo's fake tensor for it)."""
-    if any(_on_device(x) for x in example_inputs):
+    if any(on_device(x) for x in example_inputs):
         return True
-    return any(_on_device(value)
+    return any(on_device(value)
                for node in gm.graph.nodes
                for value in pytree.tree_leaves(node.meta.get("example_value")))
 

@@ -287,6 +287,12 @@ def check_in_storage(shape, stride, offset, itemsize, nbytes):
                            f"size of {end * itemsize} are out of bounds for storage of size {nbytes}")
 
 
+def on_device(t):
+    """Whether t is a tensor on the device: a TpuTensor, or what stands for
+    one while torch.compile traces (a fake or functional tensor on tpu)."""
+    return isinstance(t, torch.Tensor) and t.device.type == DEVICE.type
+
+
 def whole_tensor(storage, shape, dtype, requires_grad=False, cls=None):
     """A tensor that is its whole storage array (same shape, no view); shape
     a tuple. A plain function: every op result is made here, and calling

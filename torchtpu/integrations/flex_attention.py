@@ -36,14 +36,10 @@ from torch._C import DispatchKey
 
 from . import control_flow
 from .. import errors
-from ..tensor import DEVICE, TpuTensor
+from ..tensor import DEVICE, TpuTensor, on_device
 from .after_import import when_imported
 
 _HOP_MODULE = "torch._higher_order_ops.flex_attention"
-
-
-def _on_device(x):
-    return isinstance(x, torch.Tensor) and x.device.type == DEVICE.type
 
 
 def _patch_validation(module):
@@ -108,7 +104,7 @@ def _register_kernels(hop):
     def create_fw_bw_graph(score_mod, index_values, other_buffers):
         from torch._guards import detect_fake_mode
         from torch._subclasses.fake_tensor import FakeTensorMode
-        if not any(map(_on_device, index_values)) or detect_fake_mode(index_values) is not None:
+        if not any(map(on_device, index_values)) or detect_fake_mode(index_values) is not None:
             return torch_create(score_mod, index_values, other_buffers)
         # Inside a fake tensor mode the gradient example PyTorch makes is fake
         # too; the graph is the same (the values are never read).
