@@ -296,30 +296,25 @@ def flag_input(debug, device=0):
     f = _flags_of(device)
     if debug:
         return f.idle
-    if type(f.running.array) is Lost:
-        _restore(f)
+    _restore_if_lost(f)
     return f.running
 
 
-def graph_failed(device=0):
-    """A fused graph on tpu:device failed (its error raised at its flush),
-    leaving the running flag it was to return lost: see _restore."""
-    f = _flags.get(device)
-    if f is not None and type(f.running.array) is Lost:
-        _restore(f)
-
-
-def _restore(f):
-    """f's running flag, lost with the graph that was to return it, goes
-    back to the flag the graph before it returned (its last snapshot; none:
-    the blank one). The checks made after that are unknown: what depends on
-    them is lost with the graph's error (its own results are already)."""
-    error = f.running.array.error
+def _restore_if_lost(f):
+    """A fused graph that failed (its error raised at its flush) leaves the
+    running flag it was to return lost. Before the flag is used again (by a
+    checked op, or read), it goes back to the flag the graph before it
+    returned (its last snapshot; none: the blank one). The checks made after
+    that are unknown: what depends on them is lost with the graph's error
+    (its own results are already)."""
+    lost = f.running.array
+    if type(lost) is not Lost:
+        return
     arr, n = f.snapshots[-1] if f.snapshots else (f.blank, 0)
     gone, f.positions = f.positions[n:], f.positions[:n]
     f.running.assign(arr)
     if gone:
-        _mark_lost(sum(1 << p for p in gone), error)
+        _mark_lost(sum(1 << p for p in gone), lost.error)
 
 
 # ---- what depends on unread checks ----------------------------------------------
@@ -463,8 +458,7 @@ def check():
     if not unread:
         return
     for f in _flags.values():
-        if type(f.running.array) is Lost:
-            _restore(f)
+        _restore_if_lost(f)
     used = [f for f in _flags.values() if f.positions]
     if any(type(f.running.array) is Pending for f in used):
         return

@@ -466,7 +466,6 @@ class FusedExecutor(StrictExecutor):
             for (p, owner), ref in zip(live, live_refs):
                 value = values.get(ref)
                 owner.array = value if value is not None else Lost(e, p.shape, p.dtype)
-            bounds.graph_failed(g.device)  # (its index-check flag, if lost, restored)
             raise
 
     def _runner(self, g, key, entry, live_refs, donate, site, churning, met):
