@@ -49,6 +49,26 @@ def in_one_process(measure, specs, reset):
     return results
 
 
+def measured(specs, measure, smoke, budget, timeout, start):
+    """(spec, its result) for each spec, by measure(spec or a list of them,
+    timeout), a script's children: a smoke run's in one child, else each
+    in its own, within the budget (seconds since start)."""
+    together = None
+    if smoke:
+        together = measure(specs, min(budget, timeout * len(specs)))
+        if not isinstance(together, list):  # (its error, for every figure)
+            together = [together] * len(specs)
+    for i, spec in enumerate(specs):
+        left = budget - (time.perf_counter() - start)
+        if together is not None:
+            result = together[i]
+        elif left < 20:
+            result = {"error": "not run: the time budget was spent"}
+        else:
+            result = measure(spec, min(timeout, left))
+        yield spec, result
+
+
 def alternating_ms(fns, repeats, warmup):
     """{name: median ms of fns[name]()}, the calls alternating between the
     functions so that all of them see the same machine load."""

@@ -372,19 +372,8 @@ def _run(args):
     specs = plan(args.smoke, bool(env.get("cuda")) and not args.smoke)[1:]
     if args.rows:
         specs = _chosen(specs, args.rows.split(","))
-    together = None
-    if args.smoke:
-        together = run_child(specs, min(args.budget, args.timeout * len(specs)))
-        if not isinstance(together, list):  # (its error, for every figure)
-            together = [together] * len(specs)
-    for i, spec in enumerate(specs):
-        left = args.budget - (time.perf_counter() - start)
-        if together is not None:
-            result = together[i]
-        elif left < 20:
-            result = {"error": "not run: the time budget was spent"}
-        else:
-            result = run_child(spec, min(args.timeout, left))
+    from common import measured
+    for spec, result in measured(specs, run_child, args.smoke, args.budget, args.timeout, start):
         if spec["what"] == "per_op":
             results["per_op"] = result
         elif spec["what"] == "checkpoint":

@@ -36,9 +36,7 @@ import functools
 import glob
 import gzip
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -275,6 +273,7 @@ def _tpu_step_fn(model, mode, smoke):
 
 def _measure_step(model, mode, smoke, profile):
     import jax
+    from common import timings
     first_n, timed = SIZES[smoke]["steps"][model]
     if mode == "fused":
         os.environ["TORCHTPU_FUSED_COMPILE"] = "sync"
@@ -287,17 +286,10 @@ def _measure_step(model, mode, smoke, profile):
     for _ in range(first_n):
         losses.append(run())
         first.append(time.perf_counter() - start)
-    if mode != "jax":
-        import torchtpu
-        torchtpu.wait_for_compiles()
-    times = []
-    for _ in range(timed):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    ms = statistics.median(times) * 1e3
+    median, best = timings(run, timed, warmup=0)  # (after the graphs compiling in the background)
+    ms = median * 1e3
     kind = jax.devices()[0].device_kind
-    result = {"ms": ms, "best_ms": min(times) * 1e3, "first_steps_s": first, "losses": losses,
+    result = {"ms": ms, "best_ms": best * 1e3, "first_steps_s": first, "losses": losses,
               "gflop": flops / 1e9, "mfu": flops / (ms / 1e3) / PEAK[kind] if kind in PEAK else None}
     if mode != "jax":
         import torchtpu
@@ -539,19 +531,11 @@ def main(argv=None):
         if args.profile and spec.get("mode") in ("jax", "fused", "replayed", "compiled"):
             spec["profile"] = os.path.abspath(args.profile)
     with tempfile.TemporaryDirectory(prefix="torchtpu-tpu-bench-") as cache_dir:
-        together = None
-        if args.smoke:
-            together = run_child(specs, min(args.budget, args.timeout * len(specs)), cache_dir)
-            if not isinstance(together, list):  # (its error, for every figure)
-                together = [together] * len(specs)
-        for i, spec in enumerate(specs):
-            left = args.budget - (time.perf_counter() - start)
-            if together is not None:
-                result = together[i]
-            elif left > 20:
-                result = run_child(spec, min(args.timeout, left), cache_dir)
-            else:
-                result = {"error": "not run: the time budget was spent"}
+        from common import measured
+
+        def measure(spec, timeout):
+            return run_child(spec, timeout, cache_dir)
+        for spec, result in measured(specs, measure, args.smoke, args.budget, args.timeout, start):
             if spec["what"] in ("env", "per_op"):
                 results[spec["what"]] = result
             else:
