@@ -484,6 +484,29 @@ def test_update_scale(mode, found_inf, tracker, scale):
     assert_same(dev[1], ref[1])
 
 
+# Scales across float32's range, and products that fall at (or a double's
+# last bit from) a float32 rounding midpoint: 1.1 and 0.3 times an integer
+# land halfway between two float32s one time in ten. (Not subnormals: XLA
+# flushes them to zero, on CPU as on TPU.)
+_SCALES = [1e-30, 3.0e38, 1.0, 65536.0, 4.68e-38, 2.0 ** -100, 0.012549679,
+           8.586437e23, 16777215.0, 12345.678, 0.0, float("inf")] + [
+    (1 + i / 37) * 2.0 ** e for i, e in zip(range(36), range(-120, 127, 7))]
+
+
+@pytest.mark.parametrize("factor", [0.3, 1.1, 1e-2, 3e10])
+def test_update_scale_rounds_as_cpu(factor):
+    # The scale times a factor float32 does not hold: CPU's kernel takes it
+    # in double and rounds to float32; no float64 (a TPU emulates it).
+    scales = torch.tensor(_SCALES)
+    want = torch.stack([torch.ops.aten._amp_update_scale(s, torch.zeros((), dtype=_I), torch.ones(()), 2.0,
+                                                          factor, 3)[0] for s in scales])
+    dev = scales.to("tpu")
+    got = torch.stack([torch.ops.aten._amp_update_scale(dev[i], torch.zeros((), dtype=_I, device="tpu"),
+                                                         torch.ones((), device="tpu"), 2.0, factor, 3)[0]
+                       for i in range(len(scales))])
+    assert torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+
+
 _I = torch.int32
 BAD_SCALER_ARGS = [
     (torch._amp_update_scale_, lambda: (torch.ones(()), torch.zeros(()), torch.zeros(()), 2.0, 0.5, 2)),

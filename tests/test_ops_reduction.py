@@ -289,6 +289,20 @@ def test_renorm_and_hash_tensor():
         check(lambda t: torch.hash_tensor(t, 1, keepdim=True), make(dtype, (4, 5)))
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float16])
+def test_hash_tensor_of_special_floats(dtype):
+    # The float64 bits of each element, as CPU's conversion gives them:
+    # signed zeros, subnormals (normal doubles), infinities, NaNs with their
+    # payloads (a signaling one quieted). A TPU has no float64 to convert in.
+    bits = torch.tensor([0x7FA00001, 0xFFC00123 - 2 ** 32, 0x00000001, 0x80012345 - 2 ** 32,
+                         0x007FFFFF], dtype=torch.int32).view(F32)
+    x = torch.cat([torch.tensor([0.0, -0.0, 1.0, -2.5, 1e-40, 6e-39, 3.4e38, 1.17e-38, 5.96e-8, 6.1e-5,
+                                 float("inf"), -float("inf"), float("nan")]), bits]).to(dtype)
+    for i in range(len(x)):  # element by element: a xor of all would hide pairs of errors
+        assert_same(torch.hash_tensor(x[i:i + 1].to("tpu")), torch.hash_tensor(x[i:i + 1]))
+    assert_same(torch.hash_tensor(x.to("tpu")), torch.hash_tensor(x))
+
+
 @pytest.mark.parametrize("x", [torch.tensor([3., 1, float("nan"), 1, float("nan"), 2]),
                                torch.tensor([[1, 1, 2], [2, 1, 5]]), torch.tensor([True, False, True]),
                                torch.tensor([], dtype=torch.float32), torch.tensor(5.)])

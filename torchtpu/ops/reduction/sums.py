@@ -272,14 +272,49 @@ def renorm(x, p, dim, maxnorm):
 renorm.static_args = ("p",)
 
 
+# (exponent bits, mantissa bits) of the floating types hash_tensor widens
+# to float64 through their bits.
+_FLOAT_FIELDS = {jnp.dtype(jnp.float16): (5, 10), jnp.dtype(jnp.bfloat16): (8, 7),
+                 jnp.dtype(jnp.float32): (8, 23)}
+
+
+def _float64_bits(x):
+    """The bits of float64(x) for a float16, bfloat16 or float32 x, as
+    uint64, built with integer ops: a TPU has no float64 (XLA emulates it
+    with float32 pairs, whose range and bits are not IEEE double's) and
+    flushes subnormals, so converting there loses the exact bit pattern
+    CPU's conversion gives. Subnormals become normal doubles, NaNs keep
+    their payload with the quiet bit set, as the CPU's conversion does."""
+    ew, mw = _FLOAT_FIELDS[x.dtype]
+    bias = (1 << (ew - 1)) - 1
+    u = lax.bitcast_convert_type(x, jnp.uint16 if x.dtype.itemsize == 2 else jnp.uint32).astype(jnp.uint64)
+    one = jnp.uint64(1)
+    sign = u >> (ew + mw)
+    exp = ((u >> mw) & ((one << ew) - one)).astype(jnp.int64)
+    man = u & ((one << mw) - one)
+    # A subnormal's highest set bit p makes it 2^(p + 1 - bias - mw) * 1.f.
+    p = 63 - lax.clz(man).astype(jnp.int64)
+    sub_exp = p + 1 - bias - mw + 1023
+    sub_man = (man - (one << jnp.maximum(p, 0).astype(jnp.uint64))) << (52 - jnp.maximum(p, 0)).astype(jnp.uint64)
+    special = exp == (1 << ew) - 1
+    E = jnp.where(exp == 0, jnp.where(man == 0, 0, sub_exp),
+                  jnp.where(special, 2047, exp - bias + 1023)).astype(jnp.uint64)
+    M = jnp.where(exp == 0, jnp.where(man == 0, jnp.uint64(0), sub_man), man << jnp.uint64(52 - mw))
+    M = jnp.where(special & (man != 0), M | (one << jnp.uint64(51)), M)
+    return (sign << jnp.uint64(63)) | (E << jnp.uint64(52)) | M
+
+
 @lower(aten.hash_tensor.default)
 def hash_tensor(x, dim=(), *, keepdim=False, mode=0):
     """mode 0: xor of the elements as 64-bit floats / integers, bit-cast to
     uint64."""
     if mode != 0:
         raise RuntimeError(f"hash_tensor only supports mode=0 (xor_sum), got {mode}")
-    wide = jnp.float64 if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.int64
-    bits = lax.bitcast_convert_type(x.astype(wide), jnp.uint64)
+    if x.dtype in _FLOAT_FIELDS:
+        bits = _float64_bits(x)
+    else:
+        wide = jnp.float64 if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.int64
+        bits = lax.bitcast_convert_type(x.astype(wide), jnp.uint64)
     axes = _axes(x, dim)
     out = lax.reduce(bits, jnp.uint64(0), lax.bitwise_xor, axes)
     if keepdim:
