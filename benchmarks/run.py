@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import torchtpu  # noqa: E402
 from amp import amp_training_steps  # noqa: E402
+from buckets import buckets  # noqa: E402
 from cache_warm_start import cache_warm_start  # noqa: E402
 from checkpoint_memory import checkpoint_memory  # noqa: E402
 from compiled import compiled_steps  # noqa: E402
@@ -49,6 +50,7 @@ BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps"
               "amp_training_steps": amp_training_steps,
               "compiled_steps": compiled_steps, "compiled_hf_step": compiled_hf_step,
               "cache_warm_start": cache_warm_start, "transfers": transfers, "loader": loader,
+              "buckets": buckets,
               "index_check": index_check, "fused_adamw": fused_adamw, "generate": generate,
               "generate_floor": generate_floor, "recompiles": recompiles,
               "graph_growth": graph_growth, "checkpoint_memory": checkpoint_memory,

@@ -26,11 +26,17 @@ thread), so an early `break` leaves nothing running, and an error the
 DataLoader raises while fetching ahead is held until the batches before it
 have been used, then raised at the user's loop line, as the plain loop
 would.
+
+Batches of varying length (Hugging Face's dynamic padding) are padded to a
+few bucket lengths before upload, where padding is known to leave the
+model's results as they were (torchtpu/buckets.py), so a model compiles a
+program per bucket, not per length: `buckets=` says which, or turns it off.
 """
 import collections
-import copy
 
 import torch
+
+from .buckets import Bucketer, replaced
 
 
 def to_device(batch, device):
@@ -42,17 +48,9 @@ def to_device(batch, device):
     if isinstance(batch, (str, bytes)):
         return batch
     if isinstance(batch, collections.abc.Mapping):
-        moved = {k: to_device(v, device) for k, v in batch.items()}
-        if isinstance(batch, collections.abc.MutableMapping):
-            # Keeps the mapping's type and its other attributes
-            # (BatchEncoding's encodings), as pin_memory does.
-            clone = copy.copy(batch)
-            clone.update(moved)
-            return clone
-        try:
-            return type(batch)(moved)
-        except TypeError:
-            return moved
+        # Keeps the mapping's type and its other attributes (BatchEncoding's
+        # encodings), as pin_memory does.
+        return replaced(batch, {k: to_device(v, device) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(to_device(v, device) for v in batch))
     if isinstance(batch, (tuple, list)):
@@ -87,16 +85,17 @@ def _ahead(batches, device, prefetch):
         batches = None
 
 
-class _FedBelow:
-    """Stands in for an Accelerate loader's base_dataloader while a
-    DeviceLoader iterates it: the base's batches come out on the device,
-    ahead, and everything else is the base's."""
+class FedBelow:
+    """Stands in for an Accelerate loader's base_dataloader while the
+    loader iterates: the base's batches come out through feed(iterator)
+    (bucketed; on the device, ahead, under a DeviceLoader), and everything
+    else is the base's."""
 
-    def __init__(self, base, device, prefetch):
-        self._base, self._device, self._prefetch = base, device, prefetch
+    def __init__(self, base, feed):
+        self._base, self._feed = base, feed
 
     def __iter__(self):
-        return _ahead(iter(self._base), self._device, self._prefetch)
+        return self._feed(iter(self._base))
 
     def __len__(self):
         return len(self._base)
@@ -135,6 +134,15 @@ class DeviceLoader:
     `len()`, and any other attribute (`dataset`, `sampler`, `set_epoch`),
     are the loader's; each `iter()` is one epoch of the loader.
 
+    buckets: the lengths Hugging Face batches (mappings with an
+    `attention_mask`) are padded to before upload, where that leaves the
+    model's results as they were (torchtpu/buckets.py): "auto" (as
+    TORCHTPU_BUCKETS says; by default True), True (powers of two from 16, up
+    to the collator's tokenizer's model_max_length), a list of lengths, or
+    None/False (off: every batch as the loader gives it). pad_values:
+    {field: pad value} for fields the loader cannot know, or overriding
+    its choice; {field: None} for one that does not vary with the length.
+
     With a loader that Accelerate prepared, the copies are issued below
     Accelerate's wrapper (its base_dataloader yields device batches while
     this iterates), so Accelerate's end-of-data state, which
@@ -142,7 +150,7 @@ class DeviceLoader:
     batch, not at the one fetched ahead.
     """
 
-    def __init__(self, loader, device=None, prefetch=2):
+    def __init__(self, loader, device=None, prefetch=2, buckets="auto", pad_values=None):
         if device is None:
             device = getattr(loader, "device", None) if _accelerate_base(loader) else None
         if device is None:
@@ -155,6 +163,7 @@ class DeviceLoader:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"DeviceLoader: prefetch must be an int >= 0, not {prefetch!r}")
         self.loader, self.device, self.prefetch = loader, device, prefetch
+        self.bucketer = Bucketer(buckets, pad_values, loader)
 
     def __len__(self):
         return len(self.loader)
@@ -166,14 +175,19 @@ class DeviceLoader:
 
     def __iter__(self):
         if _accelerate_base(self.loader):
-            return self._below_accelerate()
-        return _ahead(iter(self.loader), self.device, self.prefetch)
+            return fed_below(self.loader, self._feed)
+        return self._feed(iter(self.loader))
 
-    def _below_accelerate(self):
-        loader = self.loader
-        base = vars(loader)["base_dataloader"]
-        loader.base_dataloader = _FedBelow(base, self.device, self.prefetch)
-        try:
-            yield from loader
-        finally:
-            loader.base_dataloader = base
+    def _feed(self, batches):
+        return _ahead(self.bucketer.padded(batches), self.device, self.prefetch)
+
+
+def fed_below(loader, feed):
+    """Iterates an Accelerate loader with its base_dataloader's batches
+    going through feed(iterator) (FedBelow)."""
+    base = vars(loader)["base_dataloader"]
+    loader.base_dataloader = FedBelow(base, feed)
+    try:
+        yield from loader
+    finally:
+        loader.base_dataloader = base

@@ -34,6 +34,14 @@ process group. Accelerate has no distributed type for tpu (it would take
   backend cannot give PyTorch): `prepare_model` refuses them, and Trainer,
   which asks for find_unused_parameters unless told, does not on tpu.
 
+The batches of a loader Accelerate prepared for tpu (Trainer's included)
+are bucketed as DeviceLoader buckets its own (torchtpu/buckets.py; the same
+`Bucketer`): while the loader iterates, its base_dataloader's batches are
+padded on the host before Accelerate sends them to the device, so that a
+model fed batches of many lengths compiles a program per bucket.
+TORCHTPU_BUCKETS says which buckets, or off. A DeviceLoader around the
+loader buckets them itself, with its own `buckets=`.
+
 Several processes without LOCAL_RANK would each train alone: that raises.
 `accelerate launch --num_processes N` without --multi_gpu starts one
 process (the launcher does not import torchtpu, so it sees no device): that
@@ -45,10 +53,12 @@ once if it already is.
 """
 import os
 import warnings
+import weakref
 
 import torch
 
-from .. import properties
+from .. import data, properties
+from ..buckets import Bucketer
 from ..tensor import DEVICE
 from .after_import import when_imported
 
@@ -203,7 +213,28 @@ def _patch_trainer(module):
     trainer._build_accelerator_args = _build_accelerator_args
 
 
+def _patch_data_loader(module):
+    shard = module.DataLoaderShard
+    accelerate_iter = shard.__iter__
+    bucketers = weakref.WeakKeyDictionary()  # loader -> its Bucketer, kept across epochs
+
+    def __iter__(self):
+        base = vars(self).get("base_dataloader")
+        if self.device is None or torch.device(self.device).type != DEVICE.type or \
+                base is None or isinstance(base, data.FedBelow):
+            # Not sent to tpu, or a DeviceLoader feeds it (and buckets).
+            return accelerate_iter(self)
+        bucketer = bucketers.get(self)
+        if bucketer is None:
+            bucketer = bucketers[self] = Bucketer("auto", loader=base)
+        return data.fed_below(self, bucketer.padded)
+
+    __iter__.__doc__ = accelerate_iter.__doc__
+    shard.__iter__ = __iter__
+
+
 def install():
     when_imported("accelerate.state", _patch_state)
+    when_imported("accelerate.data_loader", _patch_data_loader)
     when_imported("accelerate.accelerator", _patch_accelerator)
     when_imported("transformers.trainer", _patch_trainer)
