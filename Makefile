@@ -11,7 +11,7 @@ else ifeq ($(TORCHTPU_TPU),1)
 TPU_EXTRA := $(comma)tpu
 endif
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-tpu demo bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +25,10 @@ install: $(STAMP)
 
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
+
+# The TPU tier of the suite (tests/tpu_tier.txt), in one process on the chip.
+test-tpu:
+	bash scripts/test_tpu.sh
 
 demo: install
 	$(PY) examples/train_cuda_script.py

@@ -16,6 +16,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         filter(None, [os.environ.get("XLA_FLAGS"), "--xla_force_host_platform_device_count=2"]))
 
 import torchtpu  # noqa: E402
+import jax  # noqa: E402
+
+# On a TPU machine one process holds the chip: this one. The children tests
+# start (crash paths, fresh processes, ranks of a launch) run on JAX's CPU
+# platform, as they do on a machine without a TPU.
+ON_TPU = jax.default_backend() == "tpu"
+if ON_TPU:
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 # The modes every mode-parametrized test runs in.
 MODES = ["debug", "strict", "fused"]
@@ -33,7 +41,34 @@ SLOWEST_FIRST = [
 ]
 
 
+TPU_TIER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu_tier.txt")
+
+
+def tpu_tier_entries():
+    """The node ids tests/tpu_tier.txt lists (a file, a test, or one case)."""
+    with open(TPU_TIER) as f:
+        return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tpu-tier", action="store_true",
+                     help="run only the TPU tier listed in tests/tpu_tier.txt")
+
+
+def _in_tier(nodeid, entry):
+    return nodeid == entry or nodeid.startswith(entry + ("::" if entry.endswith(".py") else "["))
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--tpu-tier"):
+        entries = tpu_tier_entries()
+        kept = [item for item in items if any(_in_tier(item.nodeid, e) for e in entries)]
+        unmatched = [e for e in entries if not any(_in_tier(item.nodeid, e) for item in kept)]
+        if unmatched:
+            raise pytest.UsageError(f"tests/tpu_tier.txt names tests that do not exist: {unmatched}")
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+        return
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files keep their order
 
