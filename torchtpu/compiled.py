@@ -27,7 +27,9 @@ storage (dispatch/growth.py), symbolic sizes, and NaN/Inf checks being on.
 """
 import contextlib
 import copy
+import functools
 import sys
+import threading
 import typing
 
 import jax
@@ -41,7 +43,8 @@ from .integrations import control_flow
 from .modes import checks
 from .ops import matmul_setting
 from .modes.strict import StrictExecutor
-from .tensor import Lost, Pending, Storage, TpuTensor, read_view, view_tensor, whole_tensor
+from .tensor import (Lost, Pending, Storage, TpuTensor, contiguous_strides, read_view, view_tensor,
+                     whole_tensor)
 
 # Why graphs ran op by op, by reason: what a user (or a test) can inspect.
 graph_fallbacks = {}
@@ -72,12 +75,15 @@ class Computed(typing.NamedTuple):
 
 class ReturnedInput(typing.NamedTuple):
     """An output that is an input returned as it came: a view (shape,
-    strides, offset, key) of the call's storage at slot."""
+    strides, offset, key) of the call's storage at slot, requiring grad as
+    that input does (an input the forward saves for backward reaches the
+    backward graph as it came, as with AOTAutograd's eager backends)."""
     slot: int
     shape: tuple
     stride: tuple
     offset: int
     key: tuple
+    requires_grad: bool
 
 
 class SameAs(typing.NamedTuple):
@@ -177,8 +183,12 @@ def _trace(gm, args, slots, n_storages, device, name):
             if slot is None:
                 inputs.append(a)
             else:
+                # requires_grad as the call's tensor has it (part of the
+                # call's key): an op may decide on it, as flex_attention's
+                # backward returns the gradient of a tensor its score_mod
+                # reads only when that tensor requires grad.
                 inputs.append(view_tensor(storages[slot], a.shape, a.stride(), a.storage_offset(),
-                                          a._key))
+                                          a._key, requires_grad=a.requires_grad))
         with traced_ops(device, flag_in) as (flag, first):
             results = gm(*inputs)
             flag_out = flag.array
@@ -198,7 +208,7 @@ def _trace(gm, args, slots, n_storages, device, name):
                 # for backward): the result views the input's array, which
                 # the computation need not copy into a new buffer.
                 outputs.append(ReturnedInput(slot, tuple(r.shape), tuple(r.stride()),
-                                             r.storage_offset(), r._key))
+                                             r.storage_offset(), r._key, r.requires_grad))
             elif type(r) is TpuTensor:
                 value = read_view(r._storage.array, r._view)
                 order = physical_order(meta) if isinstance(meta, torch.Tensor) else None
@@ -206,7 +216,8 @@ def _trace(gm, args, slots, n_storages, device, name):
                     outputs.append(Computed(r.dtype, None))
                 else:
                     value = jnp.transpose(value, order)
-                    outputs.append(Computed(r.dtype, (tuple(r.shape), tuple(meta.stride()))))
+                    strides = _traced_strides(meta, r.shape, order)
+                    outputs.append(Computed(r.dtype, (tuple(r.shape), strides)))
                 earlier = returned_at.get(id(value))
                 if earlier is not None and outputs[earlier] == outputs[-1]:
                     # The same value returned twice (an activation and its
@@ -243,6 +254,20 @@ def _trace(gm, args, slots, n_storages, device, name):
     return _Traced(kernel, slots, list(outputs), tuple(checks), donated)
 
 
+def _traced_strides(meta, shape, order):
+    """The strides AOTAutograd traced an output with (meta's); where the graph
+    was traced with dynamic shapes, they are symbolic, which no tensor may
+    carry: then those of this call's shape lying in memory in the same dim
+    order."""
+    strides = tuple(meta.stride())
+    if all(type(s) is int for s in strides):
+        return strides
+    strides = [0] * len(shape)
+    for d, stride in zip(order, contiguous_strides([shape[d] for d in order])):
+        strides[d] = stride
+    return tuple(strides)
+
+
 def _same_layout(t, meta):
     """Whether t has the shape, strides and offset AOTAutograd traced its
     output with (meta, its fake tensor)."""
@@ -263,6 +288,28 @@ class _TracingExecutor(StrictExecutor):
 _TRACING = _TracingExecutor()
 
 
+@functools.cache
+def _new_thread_dispatch_keys():
+    """The dispatcher's thread-local (include, exclude) key sets as a new
+    thread starts with them: the same in every process, read once."""
+    keys = []
+    t = threading.Thread(target=lambda: keys.append(
+        (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())))
+    t.start()
+    t.join()
+    return keys[0]
+
+
+def _as_in_a_new_thread():
+    """A graph is traced wherever its kernel is first needed: from the user's
+    call, in a background compile, or at a fused flush, which can come from
+    inside another op's __torch_dispatch__, where PyTorch excludes every key
+    above Python (functorch's too: flex_attention's vmap then fails with
+    "querying is_contiguous inside of vmap"). With a new thread's keys, the
+    trace is the same wherever it runs."""
+    return torch._C._ForceDispatchKeyGuard(*_new_thread_dispatch_keys())
+
+
 @contextlib.contextmanager
 def traced_ops(device, flag_in):
     """Inside the block, each op on tpu tensors over traced arrays adds its
@@ -274,7 +321,7 @@ def traced_ops(device, flag_in):
     first = len(bounds.unread_checks())
     flag.assign(flag_in)
     try:
-        with modes.using(_TRACING), torch.no_grad():
+        with _as_in_a_new_thread(), modes.using(_TRACING), torch.no_grad():
             yield flag, first
     finally:
         _forget_checks(first, device)
@@ -455,7 +502,7 @@ def _replayed(traced, storages):
     return _results(traced, made, storages)
 
 
-def _alias(storage, shape, stride, offset, key):
+def _alias(storage, shape, stride, offset, key, requires_grad=False):
     """A tensor viewing storage's array as it is now, in a storage of its
     own (a later write to storage is not seen, as if it were a copy)."""
     array = storage.array
@@ -463,7 +510,7 @@ def _alias(storage, shape, stride, offset, key):
         # Not a value yet (fused mode, capture): the recorder's copy of it
         # (a Pending has one owner), one node of its graph.
         (array,), _ = modes.current().run(_copy_kernel(array, storage.device), [array], [storage])
-    return view_tensor(Storage(array, storage.device), shape, stride, offset, key)
+    return view_tensor(Storage(array, storage.device), shape, stride, offset, key, requires_grad)
 
 
 _copy_kernels = {}
@@ -494,7 +541,8 @@ def _results(traced, storages, inputs):
     for out in traced.outputs:
         kind = type(out)
         if kind is ReturnedInput:
-            results.append(_alias(inputs[out.slot], out.shape, out.stride, out.offset, out.key))
+            results.append(_alias(inputs[out.slot], out.shape, out.stride, out.offset, out.key,
+                                  out.requires_grad))
         elif kind is SameAs:
             t = results[out.index]
             results.append(_alias(t._storage, tuple(t.shape), t.stride(), t.storage_offset(),

@@ -20,10 +20,20 @@ dense the same way. So a tpu tensor needs four things:
   tensor op refuses when it is a tensor subclass;
 - autocast for the device casts q, k and v as CUDA's autocast does.
 
-torch.compile(flex_attention) with the `tpu` backend runs the same kernels
-inside its graphs, once AOTAutograd's first-call check lets the op through
-(control_flow.pass_aot_analyzer); fused mode cannot serve those graphs yet
-(it traces a compiled graph again when it flushes, where vmap cannot run).
+torch.compile(flex_attention) with the `tpu` backend (or Inductor, which
+sends tpu graphs there: transformers' way) runs the same kernels inside its
+graphs, once AOTAutograd's first-call check lets the op through
+(control_flow.pass_aot_analyzer), in every mode: torchtpu.compiled traces a
+graph with the dispatch keys of a new thread (fused mode may trace it at a
+flush inside another op, where vmap cannot run), and keeps its inputs'
+requires_grad (the backward op returns the gradient of a tensor score_mod
+reads only for one that requires grad).
+
+score_mod and mask_mod index the tensors they read as CPU does: an index
+past a dim of size 1 (T5's relative position bias, batch size 1, read at
+each batch index) raises CPU's IndexError. Only Inductor's CUDA kernel,
+with its bounds asserts compiled out, reads element 0 there instead
+(pytorch/pytorch#172225).
 
 An error inside the backward op is raised when the backward pass ends: an
 exception leaving a backward node on this device aborts the process
