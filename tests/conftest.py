@@ -217,7 +217,10 @@ def assert_as_accurate(tpu_value, cpu_value, exact, **kw):
         ref = exact() if all(_is_float32(c) for c in _leaves(cpu_value)) else None
         if ref is None:
             raise
-        for got, want, r in zip(_leaves(to_cpu(tpu_value)), _leaves(cpu_value), _leaves(ref)):
+        gots, wants, refs = _leaves(to_cpu(tpu_value)), _leaves(cpu_value), _leaves(ref)
+        if not len(gots) == len(wants) == len(refs):
+            raise  # (a missing tpu value, a None gradient, is never as accurate)
+        for got, want, r in zip(gots, wants, refs):
             r = r.detach()
             rtol, atol = kw.get("rtol", 1.3e-6), kw.get("atol", 1e-5)
             cpu_error = (want.double() - r).abs()
