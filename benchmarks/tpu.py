@@ -20,14 +20,23 @@ its first steps (compiles included) and its first losses; per_op gives
 torchtpu's cost per op beside a jitted JAX add's cost per call, on the
 same host.
 
+Generation (benchmarks/tpu_decode.py, whose docstring defines its rows
+and columns): rows gpt2:MODE and llama:MODE, Hugging Face generate() of
+GPT-2 small and a Llama of the same size on torchtpu (strict, fused,
+torch.compile; dynamic and static cache), batch 1 and 8, beside the same
+decode in plain JAX (jax) and HF on CPU eager (cpu, whose tokens every
+row is checked against: it runs whenever a model's rows do).
+
 Each figure comes from its own process with a timeout (one process holds
 the chip at a time; a smoke run's all come from one); a failure or a
 timeout is a row saying so. With
 --profile DIR, the steady rows also write a device trace of a few steps
 (jax.profiler) and the table of their device ops by time.
 
-    python benchmarks/tpu.py                        # every row
+    python benchmarks/tpu.py                        # the training rows
     python benchmarks/tpu.py --rows gpt:jax,gpt:fused --profile $OUT
+    python benchmarks/tpu.py --rows per_op,gpt2     # GPT-2's generation rows
+    python benchmarks/tpu.py --rows decode          # per_op and every generation row
     python benchmarks/tpu.py --smoke                # tiny sizes on the CPU platform
 """
 import argparse
@@ -41,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import tpu_decode  # this script's generation rows (its folder is sys.path[0])
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -302,18 +313,19 @@ def _measure_step(model, mode, smoke, profile):
     return result
 
 
-def _profile(run, directory):
-    """A device trace of three steps and its device ops by time."""
+def _profile(run, directory, warm=2, calls=3, per=3):
+    """A device trace of `calls` runs after `warm` more, and its device ops
+    by time, per `per` (a step; a generation's tokens)."""
     import jax
-    for _ in range(2):
+    for _ in range(warm):
         run()
     with jax.profiler.trace(directory, create_perfetto_trace=True):
-        for _ in range(3):
+        for _ in range(calls):
             run()
     found = glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True)
     if not found:
         return {"error": "no perfetto trace written"}
-    return device_ops(found[0], steps=3)
+    return device_ops(found[0], steps=per)
 
 
 def device_ops(path, steps=1, top=25):
@@ -392,7 +404,13 @@ def _environment():
     import jax
     import torch
     import torchtpu
-    return {"torch": torch.__version__, "jax": jax.__version__, "platform": torchtpu.runtime.PLATFORM,
+    try:
+        import transformers
+        hf = transformers.__version__
+    except ImportError:
+        hf = None
+    return {"torch": torch.__version__, "jax": jax.__version__, "transformers": hf,
+            "platform": torchtpu.runtime.PLATFORM,
             "device_kind": jax.devices()[0].device_kind, "host_cores": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d")}
 
@@ -427,6 +445,8 @@ def child(spec):
         return _measure_per_op(spec["smoke"])
     if what == "cpu":
         return _cpu_losses(spec["model"], spec["smoke"])
+    if what == "decode":
+        return tpu_decode.measure(spec, _profile)
     return _measure_step(spec["model"], spec["mode"], spec["smoke"], spec.get("profile"))
 
 
@@ -448,12 +468,22 @@ def run_child(spec, timeout, cache_dir):
     env = dict(os.environ, TORCHTPU_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     first = spec[0] if isinstance(spec, list) else spec
-    if first["smoke"] or first["what"] == "cpu":
+    if first["smoke"] or first["what"] == "cpu" or first.get("mode") == "cpu":
         env["TORCHTPU_PLATFORM"] = env["JAX_PLATFORMS"] = "cpu"
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:
+        # A generation child's finished batches (its PARTIAL lines), the
+        # rest of them timed out.
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        partial = [x for x in out.splitlines() if x.startswith("PARTIAL ")]
+        error = {"error": f"timed out after {timeout:.0f} s"}
+        if not partial:
+            return error
+        result = json.loads(partial[-1][len("PARTIAL "):])
+        for batch in first.get("batches") or tpu_decode.SIZES[first["smoke"]]["batches"]:
+            result["batches"].setdefault(str(batch), error)
+        return result
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -462,11 +492,20 @@ def run_child(spec, timeout, cache_dir):
             "stderr": proc.stderr[-3000:]}
 
 
-def plan(rows):
+def plan(rows, batches=None):
     specs = []
+    if "decode" in rows:
+        rows = [r for r in rows if r != "decode"]
+        rows += [r for r in ("per_op",) + tpu_decode.MODELS if r not in rows]
     for row in rows:
         model, _, mode = row.partition(":")
-        if model in ("per_op", "env"):
+        if model in tpu_decode.MODELS:
+            modes = [mode] if mode else list(tpu_decode.MODES)
+            if "cpu" not in modes and not any(s.get("model") == model and s.get("mode") == "cpu"
+                                              for s in specs):
+                modes.insert(0, "cpu")  # (the tokens every row is checked against)
+            specs += [{"what": "decode", "model": model, "mode": m, "batches": batches} for m in modes]
+        elif model in ("per_op", "env"):
             specs.append({"what": model})
         elif mode == "cpu":
             specs.append({"what": "cpu", "model": model})
@@ -490,8 +529,9 @@ def tables(results):
                 f"{per_op[k]:.1f}" for k in ("jax_call", "jax_in_jit", "strict", "fused", "debug"))
                 + f" | {per_op['strict'] / per_op['jax_call']:.2f}x |")
         lines.append("")
-    lines += ["| model | path | ms per step | × plain JAX | MFU | first step, s | 10 steps, s | first loss | last loss |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    if results.get("steps"):
+        lines += ["| model | path | ms per step | × plain JAX | MFU | first step, s | 10 steps, s | first loss | last loss |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for model, rows in results.get("steps", {}).items():
         ref = rows.get("jax", {}).get("ms")
         for mode, r in rows.items():
@@ -506,6 +546,10 @@ def tables(results):
                          + (f"{r['ms'] / ref:.2f}x" if ref else "—") + " | "
                          + (f"{r['mfu'] * 100:.0f}%" if r.get("mfu") else "—")
                          + f" | {first[0]:.1f} | {first[-1]:.1f} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
+    if results.get("decode"):
+        if results.get("steps"):
+            lines.append("")
+        lines += tpu_decode.table(results["decode"], per_op, results.get("smoke", False))
     return "\n".join(lines)
 
 
@@ -514,7 +558,11 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on JAX's CPU platform")
     parser.add_argument("--rows", default="per_op,mlp,gpt,gpt:cpu",
                         help="comma-separated: per_op, MODEL, MODEL:MODE (modes: "
-                             + ", ".join(MODES) + ", cpu)")
+                             + ", ".join(MODES) + ", cpu); generation: decode (per_op and "
+                             "every row below), " + ", ".join(tpu_decode.MODELS) + ", MODEL:MODE "
+                             "(modes: " + ", ".join(tpu_decode.MODES) + ")")
+    parser.add_argument("--batches", help="generation rows' batch sizes, comma-separated "
+                                          "(default 1,8; smoke 1,2)")
     parser.add_argument("--budget", type=float, default=560.0, help="seconds for the whole run")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per child")
     parser.add_argument("--profile", help="a folder for device traces of the steady rows")
@@ -524,11 +572,14 @@ def main(argv=None):
         print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
         return
     start = time.perf_counter()
-    results = {"steps": {}}
-    specs = [{"what": "env"}] + plan(args.rows.split(","))
+    results = {"steps": {}, "decode": {}, "smoke": args.smoke}
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    specs = [{"what": "env"}] + plan(args.rows.split(","), batches)
     for spec in specs:
         spec["smoke"] = args.smoke
-        if args.profile and spec.get("mode") in ("jax", "fused", "replayed", "compiled"):
+        profiled = (spec.get("mode") != "cpu" if spec["what"] == "decode"
+                    else spec.get("mode") in ("jax", "fused", "replayed", "compiled"))
+        if args.profile and profiled:
             spec["profile"] = os.path.abspath(args.profile)
     with tempfile.TemporaryDirectory(prefix="torchtpu-tpu-bench-") as cache_dir:
         from common import measured
@@ -538,10 +589,13 @@ def main(argv=None):
         for spec, result in measured(specs, measure, args.smoke, args.budget, args.timeout, start):
             if spec["what"] in ("env", "per_op"):
                 results[spec["what"]] = result
+            elif spec["what"] == "decode":
+                results["decode"].setdefault(spec["model"], {})[spec["mode"]] = result
             else:
                 results["steps"].setdefault(spec["model"], {})[spec.get("mode", "cpu")] = result
             print(f"[tpu.py {time.perf_counter() - start:.0f} s] {spec.get('model', spec['what'])} "
                   f"{spec.get('mode', '')}: " + json.dumps(result)[:1500], file=sys.stderr, flush=True)
+    tpu_decode.check_tokens(results["decode"], args.smoke)
     text = tables(results)
     print(text)
     out = os.environ.get("OUT")
@@ -549,6 +603,13 @@ def main(argv=None):
         results["markdown"] = text
         with open(os.path.join(out, "tpu.json"), "w") as f:
             json.dump(results, f, indent=1)
+    # The plain-JAX decode is the reference only if it makes HF's tokens:
+    # a smoke run (CI) fails where it does not.
+    wrong = [m for m, rows in results["decode"].items() if "jax" in rows
+             for r in rows["jax"].get("batches", {"?": rows["jax"]}).values()
+             if r.get("tokens_equal") is not True]
+    if args.smoke and wrong:
+        sys.exit(f"tpu.py: the plain-JAX decode's tokens differ from CPU eager's: {sorted(set(wrong))}")
 
 
 if __name__ == "__main__":
