@@ -38,6 +38,7 @@ SLOWEST_FIRST = [
     "test_compile.py", "test_training.py", "test_hf.py", "test_graphs.py", "test_recurrent.py",
     "test_ops_linalg.py", "test_generate.py", "test_fsdp_tp.py", "test_ops_indexing.py",
     "test_distributed_xla.py", "test_distributed_hosts.py", "test_flex_attention.py",
+    "test_buckets.py", "test_buckets_hf.py",
 ]
 
 

@@ -246,11 +246,11 @@ def _compilations():
 def test_lengths_17_to_128_compile_a_set_of_programs_per_bucket(eager):
     """A BERT fine-tuned through DeviceLoader with dynamic padding: after
     three batches of each bucket (32, 64, 128; fused mode compiles a graph
-    the second time it meets it), 21 batches of 21 other lengths in 17..128
-    compile nothing."""
+    the second time it meets it), 11 batches of 11 other lengths in 17..128
+    (each bucket's edges among them) compile nothing."""
     first = [20, 50, 100, 30, 60, 112, 22, 39, 91]
-    later = [17, 128, 33, 64, 65, 31, 97, 40, 120, 18, 70, 24, 110, 57, 90, 26, 44, 81, 127, 36, 75]
-    assert len(set(first + later)) == 30
+    later = [17, 128, 33, 64, 65, 32, 97, 18, 57, 127, 36]
+    assert len(set(first + later)) == 20
     collator = transformers.DataCollatorWithPadding(tokenizer())
     loader = DataLoader(examples(first + later, 4), batch_size=4, collate_fn=collator)
     torch.manual_seed(0)
