@@ -92,6 +92,17 @@ def fresh_kernels():
 
 
 @pytest.fixture
+def fresh_accelerate_state():
+    """Accelerate's per-process state reset before and after the test."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
 def debug_mode():
     with torchtpu.eager_mode("debug"):
         yield "debug"

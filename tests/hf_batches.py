@@ -1,6 +1,6 @@
 """Hugging Face batches without downloads, for the bucketing tests: a
 word-level tokenizer built in memory and tokenized examples of chosen
-lengths."""
+lengths, and the small BERT classifier they fine-tune."""
 import torch
 
 VOCAB = 96
@@ -36,3 +36,13 @@ def examples(longest, batch, seed=0, label=True, target=None):
                 ex["labels"] = torch.randint(5, VOCAB, (t,), generator=g).tolist()
             out.append(ex)
     return out
+
+
+def bert_classifier(layers):
+    """A small BertForSequenceClassification over VOCAB ids, no dropout,
+    positions up to 128 (the longest bucket the tests use)."""
+    import transformers
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))

@@ -19,13 +19,9 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
+def _fresh_state(fresh_accelerate_state):
     """Accelerate keeps its state per process; each test starts anew."""
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
     yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
 def _mlp():

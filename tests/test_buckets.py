@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from hf_batches import PAD, examples, tokenizer
+from hf_batches import PAD, bert_classifier, examples, tokenizer
 from torch.utils.data import DataLoader
 
 import torchtpu
@@ -229,13 +229,6 @@ def test_device_loader_buckets_by_default_and_the_switch_turns_it_off(monkeypatc
         torch.testing.assert_close(got["labels"].cpu(), want["labels"], rtol=0, atol=0)
 
 
-def _bert():
-    return transformers.BertForSequenceClassification(transformers.BertConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
-
-
 def _compilations():
     torchtpu.wait_for_compiles()
     s = torchtpu.metrics.snapshot()
@@ -254,7 +247,7 @@ def test_lengths_17_to_128_compile_a_set_of_programs_per_bucket(eager):
     collator = transformers.DataCollatorWithPadding(tokenizer())
     loader = DataLoader(examples(first + later, 4), batch_size=4, collate_fn=collator)
     torch.manual_seed(0)
-    model = _bert().to("tpu")
+    model = bert_classifier(layers=1).to("tpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     shapes, compiled = [], []
     with torchtpu.eager_mode(eager):

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from hf_batches import PAD, examples, tokenizer
+from hf_batches import PAD, bert_classifier, examples, tokenizer
 from torch.utils.data import DataLoader
 
 import torchtpu
@@ -31,10 +31,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)  # tests/test_hf.py's: tpu's kernels against CP
 
 
 def _bert_classifier():
-    return transformers.BertForSequenceClassification(transformers.BertConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
+    return bert_classifier(layers=2)
 
 
 def _gpt2_config():
@@ -140,17 +137,7 @@ def _trainer_run(use_cpu, output_dir):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], lengths
 
 
-@pytest.fixture
-def _fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def test_trainer_batches_are_bucketed_with_cpus_losses(tmp_path, _fresh_accelerate_state):
+def test_trainer_batches_are_bucketed_with_cpus_losses(tmp_path, fresh_accelerate_state):
     tpu_losses, tpu_lengths = _trainer_run(False, tmp_path / "tpu")
     cpu_losses, cpu_lengths = _trainer_run(True, tmp_path / "cpu")
     assert len(tpu_lengths) == 3 and all(n not in (32, 64, 128) for n in cpu_lengths)
@@ -159,7 +146,7 @@ def test_trainer_batches_are_bucketed_with_cpus_losses(tmp_path, _fresh_accelera
     torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses), **TOL)
 
 
-def test_accelerate_loaders_are_bucketed_once_with_the_same_switch(monkeypatch, _fresh_accelerate_state):
+def test_accelerate_loaders_are_bucketed_once_with_the_same_switch(monkeypatch, fresh_accelerate_state):
     from accelerate import Accelerator
     monkeypatch.delenv("TORCHTPU_BUCKETS", raising=False)
     loader = DataLoader(examples([19, 40], 2), batch_size=2,
