@@ -9,6 +9,9 @@ cd "$(dirname "$0")/.."
 if [ -x .venv/bin/python ]; then
     PY=.venv/bin/python
 else
+    # What the tier imports beyond torch: torch's test internals (OpInfo,
+    # ModuleInfo) need expecttest; the Hugging Face tests need the rest.
+    export TORCHTPU_EXTRA_PACKAGES="${TORCHTPU_EXTRA_PACKAGES:-} expecttest transformers safetensors accelerate"
     . scripts/tpu_env.sh || exit 1
     PY=python3
 fi
