@@ -430,6 +430,34 @@ def test_dynamic_shapes_compile_per_size():
     assert_same(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_dynamic_shapes_return_saved_inputs_as_they_came_at_every_size(monkeypatch):
+    """A graph Dynamo made symbolic returns the inputs backward saves as they
+    came (not copies: they keep their requires_grad, which flex_attention's
+    backward reads) at every size, not only the one it was traced at: its
+    traced layouts are evaluated at each call's sizes, never compared as
+    SymInts, which had guarded Dynamo's ShapeEnv into fixing each symbol to
+    the second size."""
+    traces = []
+    trace = compiled_graphs._trace
+
+    def recording(gm, *rest):
+        traced = trace(gm, *rest)
+        if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
+            traces.append((gm, traced))
+        return traced
+    monkeypatch.setattr(compiled_graphs, "_trace", recording)
+    compiled = torch.compile(lambda x, w: (x * w).sum(), backend="tpu")
+    for n in (4, 6, 7, 5):
+        x, w = (torch.randn(n, 3).to("tpu").requires_grad_() for _ in range(2))
+        compiled(x, w).backward()
+        assert_same(x.grad, w.detach().cpu())
+    assert [sum(type(o) is compiled_graphs.ReturnedInput for o in traced.outputs)
+            for _, traced in traces] == [2, 2, 2, 2]
+    (symbol, *_) = [m for n in traces[-1][0].graph.nodes
+                    if isinstance(m := n.meta.get("val"), torch.SymInt)]
+    assert not any(v.is_number for v in symbol.node.shape_env.replacements.values())
+
+
 @pytest.mark.parametrize("compile_mode", [None, "reduce-overhead"])
 def test_compiled_under_autocast_computes_in_autocasts_dtypes(mode, compile_mode):
     """torch.compile of a step under torch.autocast(bfloat16) keeps autocast's

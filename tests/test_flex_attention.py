@@ -299,14 +299,13 @@ def _hf_layout(x):
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug: once Dynamo has recompiled with dynamic shapes (a second length), each later new "
-    "length that graph serves (16, 24, then 20, 28, 32 or 40) gives the tensor score_mod reads a "
-    "None gradient on tpu (CPU's is not); the second length's call is right"))
 def test_compiled_at_new_lengths(mode, cpu_grads, fresh_dynamo):
     # A second length makes Dynamo compile flex_attention again with
     # symbolic sizes (a decoder after its encoder): the output, laid out as
-    # q is, had symbolic strides, which a tpu tensor cannot carry.
+    # q is, had symbolic strides, which a tpu tensor cannot carry. At the
+    # third length the bias's gradient had been None: the forward graph
+    # copied the inputs it saves for backward, which lost requires_grad
+    # (test_compile's test_dynamic_shapes_return_saved_inputs_as_they_came_at_every_size).
     for n in (L, L + 8, L + 4):
         q, k, v = (_hf_layout(make(torch.float32, (2, 2, n, 8), seed=s)) for s in (1, 2, 3))
         compare(lambda q, k, v, bias: _hf_attend(q, k, v, bias, (n, n - 5)),

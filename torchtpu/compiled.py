@@ -34,17 +34,17 @@ import typing
 
 import jax
 import jax.numpy as jnp
+import sympy
 import torch
 
 from . import bounds, cache, errors, modes
-from .dispatch.build import Kernel, physical_order
+from .dispatch.build import Kernel, memory_order
 from .dispatch.keys import Const
 from .integrations import control_flow
 from .modes import checks
 from .ops import matmul_setting
 from .modes.strict import StrictExecutor
-from .tensor import (Lost, Pending, Storage, TpuTensor, contiguous_strides, read_view, view_tensor,
-                     whole_tensor)
+from .tensor import Lost, Pending, Storage, TpuTensor, read_view, view_tensor, whole_tensor
 
 # Why graphs ran op by op, by reason: what a user (or a test) can inspect.
 graph_fallbacks = {}
@@ -68,9 +68,12 @@ def _fallback_reason(gm):
 class Computed(typing.NamedTuple):
     """An output the kernel computes, in the next of its output arrays:
     a tensor of dtype, contiguous (layout None) or (shape, strides) over
-    that array, which holds it in its memory order."""
+    that array, which holds it in its memory order; requiring grad where it
+    is an input's view the kernel copies (laid out otherwise than
+    AOTAutograd traced it), as that view does (see ReturnedInput)."""
     dtype: torch.dtype
     layout: object
+    requires_grad: bool = False
 
 
 class ReturnedInput(typing.NamedTuple):
@@ -163,13 +166,64 @@ def _as_values(gm):
     return torch.fx.GraphModule(gm, graph)
 
 
+class _Layout(typing.NamedTuple):
+    """An output's shape, strides and storage offset as AOTAutograd traced
+    it, in this call's sizes."""
+    shape: tuple
+    stride: tuple
+    offset: int
+
+
+def _layouts(gm, args):
+    """The _Layout of each of gm's tensor outputs at the call of args (None
+    for another output, or one whose size this call's inputs do not give).
+
+    A graph Dynamo traced with dynamic shapes has symbolic sizes in its
+    fake tensors: each is evaluated at the values the call's inputs give the
+    symbols (ShapeEnv.bind_symbols), never compared with a size as a SymInt,
+    which would evaluate it at its hint (the size the graph was traced at)
+    and, worse, add a guard to Dynamo's ShapeEnv fixing the symbol to this
+    call's size (its replacements: every later call's layout would read
+    as that size's)."""
+    (returned,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    metas = [r.meta.get("val") if isinstance(r, torch.fx.Node) else None
+             for r in (returned if isinstance(returned, (list, tuple)) else (returned,))]
+    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    symbolic = [x for m in metas + placeholders if isinstance(m, torch.Tensor)
+                for x in (*m.shape, *m.stride(), m.storage_offset())
+                if isinstance(x, torch.SymInt)]
+    symbolic += [m for m in placeholders if isinstance(m, torch.SymInt)]
+    values = {}
+    if symbolic:
+        pairs = [(m, a) for m, a in zip(placeholders, args)
+                 if isinstance(m, torch.SymInt) and type(a) is int
+                 or isinstance(m, torch.Tensor) and isinstance(a, torch.Tensor)]
+        bound = symbolic[0].node.shape_env.bind_symbols(*zip(*pairs)) if pairs else {}
+        values = {symbol: sympy.Integer(v) for symbol, v in bound.items()}
+
+    def concrete(x):
+        if not isinstance(x, torch.SymInt):
+            return x
+        value = sympy.sympify(x.node.expr).xreplace(values)
+        if not value.is_Integer:
+            raise LookupError(x.node.expr)
+        return int(value)
+
+    layouts = []
+    for m in metas:
+        try:
+            layouts.append(_Layout(tuple(map(concrete, m.shape)), tuple(map(concrete, m.stride())),
+                                   concrete(m.storage_offset())) if isinstance(m, torch.Tensor) else None)
+        except LookupError:  # (an unbacked size, say)
+            layouts.append(None)
+    return layouts
+
+
 def _trace(gm, args, slots, n_storages, device, name):
     """Build the kernel that runs gm over the storages' arrays."""
     # Each output gets the strides AOTAutograd traced it with (a saved
     # activation that is a transpose stays one: backward's views rely on it).
-    (returned,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
-    metas = [r.meta.get("val") if isinstance(r, torch.fx.Node) else None
-             for r in (returned if isinstance(returned, (list, tuple)) else (returned,))]
+    layouts = _layouts(gm, args)
     outputs = []
     written = []
     checks = []
@@ -201,9 +255,9 @@ def _trace(gm, args, slots, n_storages, device, name):
         outputs.clear()
         slot_of = {id(st): slot for slot, st in enumerate(storages)}
         returned_at = {}  # id(an output's value) -> its place in outputs
-        for r, meta in zip(results if isinstance(results, (list, tuple)) else (results,), metas):
+        for r, layout in zip(results if isinstance(results, (list, tuple)) else (results,), layouts):
             slot = slot_of.get(id(r._storage)) if type(r) is TpuTensor else None
-            if slot is not None and r._storage.array is arrays[slot] and _same_layout(r, meta):
+            if slot is not None and r._storage.array is arrays[slot] and _same_layout(r, layout):
                 # An input returned as it came (a parameter or the batch saved
                 # for backward): the result views the input's array, which
                 # the computation need not copy into a new buffer.
@@ -211,13 +265,15 @@ def _trace(gm, args, slots, n_storages, device, name):
                                              r.storage_offset(), r._key, r.requires_grad))
             elif type(r) is TpuTensor:
                 value = read_view(r._storage.array, r._view)
-                order = physical_order(meta) if isinstance(meta, torch.Tensor) else None
+                # An input's view copied keeps the view's requires_grad: a
+                # tensor score_mod reads gets its gradient only if it does.
+                requires_grad = slot is not None and r.requires_grad
+                order = memory_order(layout.shape, layout.stride) if layout is not None else None
                 if order is None:
-                    outputs.append(Computed(r.dtype, None))
+                    outputs.append(Computed(r.dtype, None, requires_grad))
                 else:
                     value = jnp.transpose(value, order)
-                    strides = _traced_strides(meta, r.shape, order)
-                    outputs.append(Computed(r.dtype, (tuple(r.shape), strides)))
+                    outputs.append(Computed(r.dtype, (tuple(r.shape), layout.stride), requires_grad))
                 earlier = returned_at.get(id(value))
                 if earlier is not None and outputs[earlier] == outputs[-1]:
                     # The same value returned twice (an activation and its
@@ -254,26 +310,11 @@ def _trace(gm, args, slots, n_storages, device, name):
     return _Traced(kernel, slots, list(outputs), tuple(checks), donated)
 
 
-def _traced_strides(meta, shape, order):
-    """The strides AOTAutograd traced an output with (meta's); where the graph
-    was traced with dynamic shapes, they are symbolic, which no tensor may
-    carry: then those of this call's shape lying in memory in the same dim
-    order."""
-    strides = tuple(meta.stride())
-    if all(type(s) is int for s in strides):
-        return strides
-    strides = [0] * len(shape)
-    for d, stride in zip(order, contiguous_strides([shape[d] for d in order])):
-        strides[d] = stride
-    return tuple(strides)
-
-
-def _same_layout(t, meta):
+def _same_layout(t, layout):
     """Whether t has the shape, strides and offset AOTAutograd traced its
-    output with (meta, its fake tensor)."""
-    return (isinstance(meta, torch.Tensor) and tuple(meta.shape) == tuple(t.shape)
-            and tuple(meta.stride()) == tuple(t.stride())
-            and meta.storage_offset() == t.storage_offset())
+    output with (layout, a _Layout or None)."""
+    return (layout is not None and layout.shape == tuple(t.shape)
+            and layout.stride == tuple(t.stride()) and layout.offset == t.storage_offset())
 
 
 class _TracingExecutor(StrictExecutor):
@@ -551,10 +592,11 @@ def _results(traced, storages, inputs):
             results.append(out.value)
         elif out.layout is None:
             st = next(it)
-            results.append(whole_tensor(st, tuple(st.array.shape), out.dtype))
+            results.append(whole_tensor(st, tuple(st.array.shape), out.dtype, out.requires_grad))
         else:
             shape, strides = out.layout
-            results.append(TpuTensor(next(it), shape, out.dtype, strides))
+            results.append(TpuTensor(next(it), shape, out.dtype, strides,
+                                     requires_grad=out.requires_grad))
     return results
 
 

@@ -96,7 +96,11 @@ def _spec_contiguous(spec):
 def physical_order(meta):
     """The dim order in which a dense, non-overlapping but permuted result
     (a clone of a transposed tensor) lies in memory; None when contiguous."""
-    shape, stride = tuple(meta.shape), meta.stride()
+    return memory_order(tuple(meta.shape), meta.stride())
+
+
+def memory_order(shape, stride):
+    """physical_order of a tensor of this shape and these strides."""
     if _is_contiguous(shape, stride):
         return None
     order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
