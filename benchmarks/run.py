@@ -37,7 +37,7 @@ from generate_floor import generate_floor  # noqa: E402
 from index_check import index_check  # noqa: E402
 from loader import loader  # noqa: E402
 from optim import fused_adamw  # noqa: E402
-from per_op import per_op  # noqa: E402
+from per_op import host_cost, per_op  # noqa: E402
 from recompiles import graph_growth, recompiles  # noqa: E402
 from soak import soak  # noqa: E402
 from transfers import transfers  # noqa: E402
@@ -46,7 +46,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "performance.md")
 
 
-BENCHMARKS = {"per_op": per_op, "training_steps": training_steps, "replay_steps": replay_steps,
+BENCHMARKS = {"per_op": per_op, "host_cost": host_cost,
+              "training_steps": training_steps, "replay_steps": replay_steps,
               "amp_training_steps": amp_training_steps,
               "compiled_steps": compiled_steps, "compiled_hf_step": compiled_hf_step,
               "cache_warm_start": cache_warm_start, "transfers": transfers, "loader": loader,

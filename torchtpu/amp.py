@@ -109,7 +109,7 @@ def _cached_cast(dtype, t, lower):
     grad (model weights) to the autocast dtype are cached while
     cache_enabled and outside inference mode, until the outermost autocast
     region exits (CUDA's heuristic), so a weight used twice is cast once."""
-    if not on_device(t):
+    if type(t) is not TpuTensor and not on_device(t):  # (a TpuTensor is: no device object made)
         return t
     src = t.dtype
     if src is dtype or not src.is_floating_point or src is torch.float64:

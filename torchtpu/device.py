@@ -87,9 +87,14 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
+_PRIVATE_USE1 = torch._C._autograd.DeviceType.PrivateUse1
+
+
 class _Guard(torch._C._acc.DeviceGuard):
     def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+        # (PyTorch asks this of every autograd node's device guard: once or
+        # twice per op of a backward pass.)
+        return _PRIVATE_USE1
 
 
 def _factory(op):

@@ -27,8 +27,9 @@ from ..tensor import (DtypeView, GrownStorage, Lost, Storage, TpuTensor, check_i
                       make_view, storage_dtype, view_tensor, whole_tensor)
 from .host import download, host_values, to_tpu
 from .build import KernelEntry, build_kernel, drop_out_args, physical_order
-from .keys import (Call, arg_spec, device_mismatch, first_device, grown_readable, kernel_device,
-                   named, offsets_fed, whole_shape)
+from .keys import (PLAIN_TYPES, Call, arg_spec, device_mismatch, first_device, grown_readable,
+                   hashable, kernel_device, named, offsets_fed, plain_spec, view_args_key,
+                   whole_shape)
 from .meta import flatten, meta_like, meta_outcome, run_meta, unflatten, written_checked
 from .plans import _INDICES, SPECIAL, Plan
 
@@ -44,7 +45,7 @@ _plans_by_id = {}
 
 
 def plan_of(func):
-    p = _plans.get(func)
+    p = _plans_by_id.get(id(func)) or _plans.get(func)
     if p is None:
         p = _plans[func] = Plan(func)
         p.special = SPECIAL.get(func)
@@ -160,13 +161,14 @@ def _run_accepted(plan, args, kwargs):
 
 
 def _run_lowered(plan, args, kwargs):
-    storages, arrays, slots = [], [], {}
-    call = None  # made for the first argument that is not a tpu tensor
-    # arg_spec, with its common case (a tpu tensor) inline: this loop runs for
-    # every argument of every op.
+    storages, arrays, slots, dynamic = [], [], {}, []
+    call = None  # made for the first argument that needs arg_spec's general case
+    # arg_spec, with its common cases (a tpu tensor, a plain value) inline:
+    # this loop runs for every argument of every op.
     pos_specs = []
     for a, f in zip(args, plan.pos_flags):
-        if type(a) is TpuTensor:
+        kind = type(a)
+        if kind is TpuTensor:
             storage = a._storage
             if type(storage) is GrownStorage and plan.padded is not None and storage.grown is not None:
                 out = plan.padded(plan.func, args, kwargs)  # on the padded arrays (dispatch.lengths)
@@ -184,7 +186,7 @@ def _run_lowered(plan, args, kwargs):
                 else:
                     # The read itself: from the padded array at a run-time offset (or the exact one).
                     if call is None:
-                        call = Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
+                        call = Call(storages, arrays, slots, dynamic, (args, kwargs), plan.kind != "mutate")
                     pos_specs.append(arg_spec(call, a, f))
                     continue
             slot = slots.get(storage)
@@ -194,16 +196,22 @@ def _run_lowered(plan, args, kwargs):
                 arrays.append(storage.array if type(storage) is not GrownStorage
                               else storage.read_by(plan.name))
             pos_specs.append((slot,) + a._key)  # a TensorArg's fields (see named)
+        elif kind in PLAIN_TYPES:
+            pos_specs.append(plain_spec(a, kind, f, dynamic))
         else:
             if call is None:
-                call = Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
+                call = Call(storages, arrays, slots, dynamic, (args, kwargs), plan.kind != "mutate")
             pos_specs.append(arg_spec(call, a, f))
     pos_specs = tuple(pos_specs)
     if kwargs:
-        if call is None:
-            call = Call(storages, arrays, slots, (args, kwargs), plan.kind != "mutate")
-        kw_specs = tuple([(k, arg_spec(call, v, plan.tensorish.get(k, False)))
-                          for k, v in kwargs.items()])
+        kw_specs = []
+        for k, v in kwargs.items():
+            kind, f = type(v), plan.tensorish.get(k, False)
+            if kind not in PLAIN_TYPES and call is None:
+                call = Call(storages, arrays, slots, dynamic, (args, kwargs), plan.kind != "mutate")
+            kw_specs.append((k, plain_spec(v, kind, f, dynamic) if kind in PLAIN_TYPES
+                                else arg_spec(call, v, f)))
+        kw_specs = tuple(kw_specs)
     else:
         kw_specs = ()
     # The plan stands for its op in the key: it hashes by identity, in C. A
@@ -211,7 +219,6 @@ def _run_lowered(plan, args, kwargs):
     precision = matmul_setting() if plan.matmul else None
     key = (plan, pos_specs, kw_specs, precision)
     entry = cache.lookup(key)
-    dynamic = call.dynamic if call is not None else ()
     if entry is None:
         pos_specs = tuple([named(s) for s in pos_specs])
         kw_specs = tuple([(k, named(s)) for k, s in kw_specs])
@@ -328,10 +335,10 @@ def _results(plan, entry, outs, new_storages, storages, args, kwargs):
     if orders is not None:
         wrapped = [TpuTensor(Storage(o, device), m.shape, d, None if p is None else m.stride())
                    for o, m, d, p in zip(outs, out_meta[0], out_tdtypes, orders)]
-    elif out_tdtypes is not None:
-        wrapped = [TpuTensor(Storage(o, device), o.shape, d) for o, d in zip(outs, out_tdtypes)]
+    elif out_tdtypes is not None:  # (whole_tensor: array and pending shapes are tuples)
+        wrapped = [whole_tensor(Storage(o, device), o.shape, d) for o, d in zip(outs, out_tdtypes)]
     else:
-        wrapped = [TpuTensor(Storage(o, device), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
+        wrapped = [whole_tensor(Storage(o, device), o.shape, runtime.torch_dtype(o.dtype)) for o in outs]
     if plan.kind == "mutate":
         return _mutation_result(plan, args, kwargs, wrapped)
     return unflatten(kernel.out_tree, wrapped)
@@ -444,8 +451,8 @@ def _run_view(plan, args, kwargs):
         return _run_other(plan, args, kwargs)
     # src._key fixes src's shape, strides and offset (a whole-storage tensor
     # is contiguous at offset 0).
-    key = (src._key, _hashable(args[1:]) if len(args) > 1 else (),
-           _hashable(tuple(kwargs.items())) if kwargs else ())
+    key = (src._key, view_args_key(args) if len(args) > 1 else (),
+           hashable(tuple(kwargs.items())) if kwargs else ())
     specs = plan.view_cache.get(key)
     if specs is None:
         storage_shape, base_dtype = src._key[1], storage_dtype(src)
@@ -491,15 +498,6 @@ def _view_of(m, storage_shape, storage_dtype):
     if m.dtype == storage_dtype:
         return make_view(storage_shape, m.shape, m.stride(), m.storage_offset())
     return DtypeView(tuple(m.shape), tuple(m.stride()), m.storage_offset(), m.dtype, storage_dtype)
-
-
-def _hashable(x):
-    if isinstance(x, (list, tuple)):
-        # Sizes and dims are ints: only containers and tensors need a look.
-        return tuple([_hashable(v) if isinstance(v, (list, tuple, torch.Tensor)) else v for v in x])
-    if isinstance(x, torch.Tensor):
-        raise TypeError("tensor in a view op's static arguments")
-    return x
 
 
 _warned_fallback = set()

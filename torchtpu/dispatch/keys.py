@@ -90,11 +90,11 @@ class Call:
     storages (and their arrays, in slot order) and the dynamic scalars."""
     __slots__ = ("storages", "arrays", "slots", "dynamic", "args", "reads_grown")
 
-    def __init__(self, storages, arrays, slots, args, reads_grown=False):
+    def __init__(self, storages, arrays, slots, dynamic, args, reads_grown=False):
         self.storages = storages
         self.arrays = arrays
         self.slots = slots  # storage -> slot (Storage hashes by identity)
-        self.dynamic = []
+        self.dynamic = dynamic  # the dynamic scalars, in order
         self.args = args  # (args, kwargs) of the op
         # Whether views of grown storages may be read from their padded
         # arrays (not for an op that writes: it writes the exact array).
@@ -140,6 +140,28 @@ def _tensor_spec(call, t):
     return (slot,) + t._key  # a TensorArg's fields (see named)
 
 
+def _tensor_list_specs(call, tensors):
+    """The records of a foreach op's list of tpu tensors (dozens, each
+    _tensor_spec's common case inline); None if one is not a tpu tensor (the
+    slots already given to those before it are the ones arg_spec gives)."""
+    slots, storages, arrays = call.slots, call.storages, call.arrays
+    specs = []
+    for t in tensors:
+        if type(t) is not TpuTensor:
+            return None
+        storage = t._storage
+        if type(storage) is GrownStorage:
+            specs.append(_tensor_spec(call, t))
+            continue
+        slot = slots.get(storage)
+        if slot is None:
+            slot = slots[storage] = len(storages)
+            storages.append(storage)
+            arrays.append(storage.array)
+        specs.append((slot,) + t._key)
+    return tuple(specs)
+
+
 def named(spec):
     """spec with each plain tuple in it made the TensorArg it stands for. A
     tpu tensor's record is made as a plain tuple, its fields, on every op;
@@ -176,7 +198,21 @@ def _grown_spec(call, t):
 
 # One ScalarArg per type, made once (an optimizer's foreach ops take a
 # learning rate or a step size at each call).
-_SCALAR_ARGS = {kind: ScalarArg(kind) for kind in _DYNAMIC_SCALAR_TYPES}
+SCALAR_ARGS = {kind: ScalarArg(kind) for kind in _DYNAMIC_SCALAR_TYPES}
+# The types whose values arg_spec keys as themselves (a Const), or, in a
+# dynamic scalar's place, feeds at run time: the dispatcher records these
+# without a Call (plain_spec), as most of an op's non-tensor arguments are.
+PLAIN_TYPES = frozenset({type(None), bool, int, float, complex, str, torch.dtype,
+                         torch.memory_format, torch.layout})
+
+
+def plain_spec(value, kind, tensorish, dynamic):
+    """arg_spec of a value whose type, kind, is in PLAIN_TYPES; a dynamic
+    scalar goes onto the list dynamic."""
+    if tensorish and kind in _DYNAMIC_SCALAR_TYPES:
+        dynamic.append(value)
+        return SCALAR_ARGS[kind]
+    return record(Const, (value, kind))
 
 
 def arg_spec(call, value, tensorish):
@@ -188,9 +224,10 @@ def arg_spec(call, value, tensorish):
             return arg_spec(call, to_tpu(value, device=call.device()), tensorish)
         raise device_mismatch(call.device(), value.device)
     if isinstance(value, (list, tuple)):
-        if value and type(value[0]) is TpuTensor and all(type(v) is TpuTensor for v in value):
-            # A foreach op's tensor lists.
-            return record(ListArg, (tuple([_tensor_spec(call, v) for v in value]),))
+        if value and type(value[0]) is TpuTensor:
+            specs = _tensor_list_specs(call, value)
+            if specs is not None:
+                return record(ListArg, (specs,))
         if value and any(isinstance(v, torch.Tensor) for v in value):
             inner = _INDICES if tensorish is _INDICES else True
             return record(ListArg, (tuple(arg_spec(call, v, inner) for v in value),))
@@ -199,7 +236,7 @@ def arg_spec(call, value, tensorish):
         return record(Const, (tuple(value), tuple))
     if tensorish and type(value) in _DYNAMIC_SCALAR_TYPES:
         call.dynamic.append(value)
-        return _SCALAR_ARGS[type(value)]
+        return SCALAR_ARGS[type(value)]
     if type(value) is torch.device and value.type == "tpu":
         if value.index is None:
             # "tpu": the current device, which the key must name.
@@ -265,6 +302,36 @@ def offsets_fed(pos_specs, kw_specs, dynamic):
     if len(new) == len(dynamic):
         return None
     return pos, kw, new
+
+
+# ---- view ops' keys (their results' layouts, cached per op) ----------------
+
+def view_args_key(args):
+    """hashable(args[1:]) of a view op, its common arguments (dims, a list
+    of sizes) looked at without recursion: this runs for every view."""
+    rest = args[1:]
+    key = []
+    for v in rest:
+        kind = type(v)
+        if kind is int:
+            key.append(v)
+        elif kind is list or kind is tuple:
+            for x in v:
+                if type(x) is not int:
+                    return hashable(rest)
+            key.append(tuple(v))
+        else:
+            return hashable(rest)
+    return tuple(key)
+
+
+def hashable(x):
+    if isinstance(x, (list, tuple)):
+        # Sizes and dims are ints: only containers and tensors need a look.
+        return tuple([hashable(v) if isinstance(v, (list, tuple, torch.Tensor)) else v for v in x])
+    if isinstance(x, torch.Tensor):
+        raise TypeError("tensor in a view op's static arguments")
+    return x
 
 
 # ---- what differs between two keys (the recompile log) ---------------------

@@ -92,7 +92,13 @@ SPECIAL.update({
 })
 
 
+_TO_COPY_KWARGS = frozenset({"dtype", "memory_format"})
+
+
 def _to_copy_handler(x, **kwargs):
+    if kwargs.keys() <= _TO_COPY_KWARGS:
+        # The common case (autocast's casts, .float()): the kernel takes these as they are.
+        return _run_lowered(plan_of(aten._to_copy.default), (x,), kwargs)
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
         out = download(x, "cpu")

@@ -242,18 +242,18 @@ def donatable(g, live):
     optimizer step overwrites parameters and state): those no tensor holds
     any more (the graph overwrote them), as many of each shape and dtype as
     results of that shape and dtype need; None if none."""
-    wanted = collections.Counter((p.shape, p.dtype) for p, _ in live)
+    wanted = collections.Counter([(p.shape, p.dtype) for p, _ in live])
     mask = []
     for a in g.inputs:
         # Held only by g.inputs (plus this loop and getrefcount's argument).
-        free = sys.getrefcount(a) <= 3
-        kind = (a.shape, a.dtype)
-        if free and wanted[kind] > 0:
-            wanted[kind] -= 1
-            mask.append(True)
-        else:
-            mask.append(False)
-    return tuple(mask) if any(mask) else None
+        if sys.getrefcount(a) <= 3:
+            kind = (a.shape, a.dtype)  # (read only here: an array's are properties)
+            if wanted[kind] > 0:
+                wanted[kind] -= 1
+                mask.append(True)
+                continue
+        mask.append(False)
+    return tuple(mask) if True in mask else None
 
 
 def donation_order(g, live, donate):
