@@ -164,7 +164,11 @@ def test_compiled_programs_give_xla_memory_figures():
     graphs = [p for p in compiled_programs() if p.id not in before and "fused" in p.name]
     assert len(graphs) == 1, graphs
     (graph,) = graphs
-    assert (graph.arguments, graph.outputs, graph.aliased) == ((48 * 24 + 24 * 40) * 4, 4, 0)
+    # Each array's bytes on the device: a TPU pads them to its tiles (a
+    # float32 scalar takes 512 bytes there), the CPU platform does not.
+    on_device = [torchtpu.jax.to_jax(t).on_device_size_in_bytes()
+                 for t in (a, b, torch.zeros((), device="tpu"))]
+    assert (graph.arguments, graph.outputs, graph.aliased) == (on_device[0] + on_device[1], on_device[2], 0)
     assert graph.temp >= 0
     assert graph.footprint == graph.arguments + graph.outputs + graph.temp
     # Programs stay listed while loaded: a second look finds the same ones.

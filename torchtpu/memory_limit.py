@@ -16,6 +16,13 @@ taken away by a fraction of 1.0, so ops pay nothing then. While one is set,
 each new device array is counted (a dict entry and a weakref finalizer:
 freed arrays leave the count), and over the limit the count is redone
 exactly from the live arrays before anything is raised.
+
+An array counts its size on the device (a TPU pads arrays to its tiles),
+and where the platform reports its bytes in use (TPU, GPU) what it holds
+beyond the counted arrays (compiled programs, the runtime's own buffers)
+counts too, as of the last exact count: the figure the limit bounds is
+then torch.tpu.memory_allocated()'s, as a fraction computed from it
+expects.
 """
 import gc
 import weakref
@@ -32,6 +39,9 @@ LIMITS = {}
 # bytes counted per device index.
 _counted = {}
 _totals = {}
+# Per device index: the platform's bytes in use beyond the counted arrays,
+# as of the last exact count (0 where the platform reports none).
+_overhead = {}
 
 
 def _mib(n):
@@ -64,6 +74,7 @@ def set_per_process_memory_fraction(fraction, device=None):
         fused.check_memory_with(None)
         _counted.clear()
         _totals.clear()
+        _overhead.clear()
 
 
 def get_per_process_memory_fraction(device=None):
@@ -79,17 +90,30 @@ def _forget(key):
 def _count(array, index):
     key = id(array)
     if key not in _counted:
-        n = array.size * array.dtype.itemsize
+        n = _device_bytes(array)
         _counted[key] = (index, n)
         _totals[index] = _totals.get(index, 0) + n
         weakref.finalize(array, _forget, key)
 
 
+def _device_bytes(array):
+    """An array's bytes on its device, padding included."""
+    try:
+        return array.on_device_size_in_bytes()
+    except Exception:  # (a platform or JAX without the call)
+        return array.size * array.dtype.itemsize
+
+
+def _held(index):
+    return _totals[index] + _overhead.get(index, 0)
+
+
 def _recount(index, collect=False):
-    """The bytes of the live arrays on tpu:index, counted exactly (arrays made
-    where no storage saw them, freed ones still referenced: donated inputs);
-    collect: first free the garbage that holds arrays (a caught error's
-    traceback holds its frames' tensors in a reference cycle)."""
+    """The bytes held on tpu:index, counted exactly: the live arrays (arrays
+    made where no storage saw them, freed ones still referenced: donated
+    inputs), plus what the platform holds beyond them; collect: first free
+    the garbage that holds arrays (a caught error's traceback holds its
+    frames' tensors in a reference cycle)."""
     if collect:
         gc.collect()
     live = {id(a): a for a in memory.live_arrays(index)}
@@ -97,7 +121,10 @@ def _recount(index, collect=False):
         _forget(key)
     for a in live.values():
         _count(a, index)
-    return _totals[index]
+    stats = properties.platform_memory_stats(index)
+    in_use = stats.get("bytes_in_use") if stats else None
+    _overhead[index] = max(0, int(in_use) - _totals[index]) if in_use is not None else 0
+    return _held(index)
 
 
 def _device_array(storage):
@@ -119,10 +146,10 @@ def _made(storage):
     if array is None or index not in LIMITS:
         return
     _count(array, index)
-    if _totals[index] > LIMITS[index][1] and _recount(index, collect=True) > LIMITS[index][1]:
+    if _held(index) > LIMITS[index][1] and _recount(index, collect=True) > LIMITS[index][1]:
         raise errors.over_memory_limit(
             f"at {errors.user_line()} would take {_mib(array.nbytes)}, bringing "
-            + _over(index, _totals[index]))
+            + _over(index, _held(index)))
 
 
 def _over(index, total, pending=()):
