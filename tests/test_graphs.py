@@ -10,7 +10,7 @@ import torchtpu
 from torchtpu import metrics
 
 from models import CNN, Transformer
-from conftest import assert_at_line, assert_same, to_cpu
+from conftest import assert_at_line, assert_same, platform_tol, to_cpu
 
 STEPS = 5
 WARMUP = 3
@@ -80,7 +80,7 @@ def test_replayed_cnn_and_transformer_steps_train_as_cpu(name, optimizer):
 
 
 def _check_training(make, shape, optimizer, mode, tol=None):
-    tol = tol or dict(rtol=1e-5, atol=1e-6)
+    tol = platform_tol(**(tol or dict(rtol=1e-5, atol=1e-6)))
     data = _data(WARMUP + STEPS, shape)
     cpu = make()
     model = make().to("tpu")

@@ -7,6 +7,8 @@ import copy
 import pytest
 import torch
 
+from conftest import platform_tol
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -77,11 +79,11 @@ def _train_parity(make, compile_backend=None):
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach().cpu())
-        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(losses[1], losses[0], **platform_tol(1e-4, 1e-5))
     ref_state = ref.state_dict()
     for name, value in model.state_dict().items():
         assert value.is_tpu, name
-        torch.testing.assert_close(value.cpu(), ref_state[name], rtol=1e-4, atol=1e-5,
+        torch.testing.assert_close(value.cpu(), ref_state[name], **platform_tol(1e-4, 1e-5),
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 

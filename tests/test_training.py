@@ -8,6 +8,8 @@ from torch import nn
 
 from torchtpu.ops import LOWERINGS
 
+from conftest import platform_tol
+
 STEPS = 5
 
 
@@ -103,6 +105,8 @@ def _check_parity(kind, make_opt, rtol=1e-4, atol=1e-5, dtype=torch.float32):
         x = x.to(dtype)
     ref, ref_losses = _train(ref, make_opt, x, y, "cpu")
     model, losses = _train(model, make_opt, x, y, "tpu")
+    if dtype == torch.float32:
+        rtol, atol = platform_tol(rtol, atol).values()
     torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=atol)
     ref_state = ref.state_dict()
     for name, value in model.state_dict().items():
