@@ -467,3 +467,22 @@ def test_sending_a_tpu_tensor_to_another_process_raises_rather_than_copying():
     # Pickling for files and copies is unchanged.
     t = torch.arange(3.0, device="tpu")
     assert_same(pickle.loads(pickle.dumps(t)), torch.arange(3.0))
+
+
+def test_an_array_laid_out_column_major_saves_its_values():
+    """A TPU lays out an array whose last dim is short column-major on the
+    device (a [10, 4] embedding as 4 rows of 10); its tensor's storage bytes,
+    what torch.save writes, are still row-major, and .cpu() is contiguous.
+    The CPU platform takes the same layout when asked for it."""
+    from jax.experimental.layout import Format, Layout
+    import jax
+    values = torch.randn(10, 4)
+    where = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    array = jax.device_put(values.numpy(), Format(Layout(major_to_minor=(1, 0)), where))
+    t = torchtpu.jax.from_jax(array)
+    assert t.cpu().is_contiguous()
+    assert_same(t, values, rtol=0, atol=0)
+    storage = t.untyped_storage().cpu()
+    assert torch.equal(torch.empty(0).set_(storage, 0, (10, 4), (4, 1)), values)
+    assert_same(_round_trip({"w": t})["w"], values, rtol=0, atol=0)
+    assert_same(_round_trip(nn.Parameter(t), weights_only=False), values, rtol=0, atol=0)

@@ -236,7 +236,11 @@ def to_host(arr, dtype=None) -> torch.Tensor:
     # here, where reading its memory would abort the process (its own
     # allocation having failed, as it ran queued behind others).
     arr.block_until_ready()
-    host = np.array(arr, copy=True)
+    # In row-major order whatever the array's layout on the device: a TPU
+    # lays out an array whose last dim is short column-major (a [10, 4]
+    # weight as 4 rows of 10), and numpy's copy of it keeps that order,
+    # which a tensor's bytes (torch.save writes them) must not.
+    host = np.array(arr, copy=True, order="C")
     if host.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
     out = torch.from_numpy(host)
