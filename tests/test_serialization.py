@@ -6,6 +6,7 @@ buffers, and one parameter where the saved model had one."""
 import io
 import operator
 import pickle
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -220,12 +221,29 @@ def test_tensor_with_requires_grad_and_non_leaf():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_dtypes(dtype):
-    from conftest import make
+    from conftest import ON_TPU, make
     cpu = make(dtype, (3, 5))
+    # A TPU keeps float64 as a pair of float32s (about 48 bits of mantissa):
+    # the upload rounds, and says so once (runtime.to_device).
+    exact = dict(rtol=2.0 ** -47, atol=0) if ON_TPU and dtype == torch.float64 else dict(rtol=0, atol=0)
     got = _round_trip({"x": cpu.to("tpu")})["x"]
-    assert_same(got, cpu, rtol=0, atol=0)
+    assert_same(got, cpu, **exact)
     assert got.dtype == dtype
-    assert_same(_round_trip(cpu, map_location="tpu"), cpu, rtol=0, atol=0)
+    assert_same(_round_trip(cpu, map_location="tpu"), cpu, **exact)
+
+
+def test_float64_on_a_tpu_says_it_is_emulated(monkeypatch):
+    """On a TPU the first float64 upload warns that float64 is emulated
+    there (its precision and range), once; on the CPU platform nothing is
+    said."""
+    from torchtpu import runtime
+    monkeypatch.setattr(runtime, "_FLOAT64_WARNED", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.ones(3, dtype=torch.float64).to("tpu")
+    said = [w for w in caught if "float64 on a TPU is emulated" in str(w.message)]
+    assert len(said) == (1 if runtime.PLATFORM == "tpu" else 0)
 
 
 def test_views_stay_views_of_one_storage():

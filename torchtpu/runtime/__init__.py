@@ -5,6 +5,7 @@ creates its backend (coordinator.py serves its coordinator apart from the
 ranks); the process-group backend is torchtpu.distributed."""
 
 import os
+import warnings
 
 import jax
 
@@ -171,6 +172,23 @@ def _note_in_flight(arr):
         _in_flight[:] = [a for a in _in_flight if not a.is_ready()]
 
 
+# A TPU has no float64 arithmetic: XLA keeps a float64 as a pair of
+# float32s, about 48 bits of mantissa (float64 has 53) in float32's exponent
+# range, so an upload rounds its last bits and takes 1e300 to inf and 1e-300
+# to 0. Said once, at the first float64 upload.
+_FLOAT64_WARNED = False
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _warn_float64_on_tpu():
+    global _FLOAT64_WARNED
+    _FLOAT64_WARNED = True
+    warnings.warn("torchtpu: float64 on a TPU is emulated with pairs of float32s: about 48 bits "
+                  "of precision (float64 has 53) and float32's exponent range (beyond about "
+                  "3.4e38 a value becomes inf, below about 1.2e-38 it becomes 0); keep data "
+                  "that needs float64 exactly on the CPU", stacklevel=4)
+
+
 def to_device(t: torch.Tensor, dev=None, non_blocking=False):
     """A CPU torch tensor -> a JAX array on the device. A blocking copy takes
     a host copy first, so the CPU tensor is the user's to mutate at once. A
@@ -178,6 +196,8 @@ def to_device(t: torch.Tensor, dev=None, non_blocking=False):
     (JAX holds it until the transfer is done): t must stay unchanged until
     the next sync point (wait_transfers), as CUDA asks of pinned sources."""
     t = t.detach()
+    if t.dtype in _WIDE and PLATFORM == "tpu" and not _FLOAT64_WARNED:
+        _warn_float64_on_tpu()
     if t.dtype == torch.complex32:
         t = t.to(torch.complex64)  # numpy has no complex32
     if t.is_conj():
