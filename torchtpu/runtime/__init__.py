@@ -76,6 +76,23 @@ KERNEL_MAX_ARRAYS = 16
 GRAPH_MAX_OPS = 100
 
 
+# PyTorch rounds each op's float16 and bfloat16 result to its dtype
+# (autocast's matmuls, a half-precision model's every op), and so do
+# torchtpu's kernels run one by one; XLA by default may carry a fused chain
+# of such ops in float32 ("excess precision"), so a fused graph's values
+# differ from the same ops run one by one and from CPU's (on a TPU, an
+# autocast MLP's parameters off by twice the learning rate after 4 AdamW
+# steps where a gradient near zero took the other sign). Every torchtpu
+# program rounds as PyTorch does.
+ROUNDING_OPTIONS = {"xla_allow_excess_precision": False}
+
+
+def compiler_options(options=None):
+    """XLA's compiler options for a torchtpu program: PyTorch's rounding,
+    and options (a kernel's or graph's own) beside it."""
+    return {**ROUNDING_OPTIONS, **(options or {})}
+
+
 def kernel_options(args):
     """XLA's compiler options for a kernel called with args."""
     if len(jax.tree_util.tree_leaves(args)) > KERNEL_MAX_ARRAYS:
