@@ -353,15 +353,16 @@ def test_an_unread_call_leaves_nothing_for_the_next(mode, cpu_grads, fresh_dynam
 # CPU kernel, which transformers would call there, has no backward). One
 # batch element: T5's score_mod reads its bias of batch size 1 at each batch
 # index, which CPU refuses for more (test above). In a process of its own:
-# transformers offers flex_attention only where it finds it, asked once of
-# the host's accelerator, which after `import torchtpu` is tpu, a device it
-# takes for torch_xla's; its test runner asks first, as this script does.
+# transformers asks once, of the host's accelerator (tpu after `import
+# torchtpu`, a device it takes for torch_xla's), whether it offers
+# flex_attention; torchtpu primes that answer, so a user's script imports
+# torchtpu first, as this one does.
 T5_WORKER = """
 import warnings
 warnings.simplefilter("ignore")
+import torch, torchtpu
 from transformers.utils.import_utils import is_torch_flex_attn_available
 assert is_torch_flex_attn_available()
-import torch, torchtpu
 from transformers import T5Config, T5Model
 
 def t5(attention):

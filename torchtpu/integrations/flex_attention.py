@@ -139,7 +139,27 @@ def _register_kernels(hop):
     hop.create_fw_bw_graph = create_fw_bw_graph
 
 
+def _offer_to_transformers(import_utils):
+    """transformers asks once, of the host's accelerator, whether
+    flex_attention can run, and answers no where that accelerator is `tpu`
+    (torch_xla's, whose tensors flex_attention refuses); torchtpu's tpu runs
+    it. The answer is primed, once, as for a host without that accelerator;
+    nothing else of transformers changes. A transformers without these
+    names keeps its own answer."""
+    available = getattr(import_utils, "is_torch_flex_attn_available", None)
+    device_type = getattr(import_utils, "get_device_type", None)
+    if device_type is None or not hasattr(available, "cache_clear"):
+        return
+    available.cache_clear()
+    import_utils.get_device_type = lambda device=None: "cpu" if device is None else device_type(device)
+    try:
+        available()
+    finally:
+        import_utils.get_device_type = device_type
+
+
 def install():
+    when_imported("transformers.utils.import_utils", _offer_to_transformers)
     when_imported(_HOP_MODULE, _register_kernels)
     when_imported("torch.nn.attention.flex_attention", _patch_validation)
     # torch.compile(flex_attention) on tpu tensors: the `tpu` backend runs
