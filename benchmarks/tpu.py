@@ -20,6 +20,24 @@ its first steps (compiles included) and its first losses; per_op gives
 torchtpu's cost per op beside a jitted JAX add's cost per call, on the
 same host.
 
+Warm-start rows (MODEL:jax_warm, fused_warm, compiled_warm, strict_warm;
+MODEL:warm for all four; not among the default rows): how soon a second
+process on the same disk cache reaches its steady step. Each runs the step
+in a process on a fresh cache directory (cold), then in a second process on
+the same directory (warm): fused as a user runs it (tiered compilation),
+strict, compiled, and plain JAX on JAX's own persistent compilation cache
+(the reference). Each process opens the device (jax.devices(), after
+importing torch and JAX), builds the model, runs its first steps, waits for
+the graphs compiling in the background (so that the cold one's are on disk
+when it exits), then runs the later steps. Per process: seconds from its
+start to opening the device, from there to its first step done and to its
+first steady step (a step within 1.2x of the median of the later steps),
+its compilations (torchtpu: metrics "compilations" plus the background
+ones, with graphs_compiled beside them; JAX: compiles less cache hits) and
+its disk cache hits. The table gives the cold process's seconds to steady
+and compilations beside the warm one's figures; a warm row runs two
+processes, each with the timeout (a smoke run too).
+
 Generation (benchmarks/tpu_decode.py, whose docstring defines its rows
 and columns): rows gpt2:MODE and llama:MODE, Hugging Face generate() of
 GPT-2 small and a Llama of the same size on torchtpu (strict, fused,
@@ -37,6 +55,7 @@ timeout is a row saying so. With
     python benchmarks/tpu.py --rows gpt:jax,gpt:fused --profile $OUT
     python benchmarks/tpu.py --rows per_op,gpt2     # GPT-2's generation rows
     python benchmarks/tpu.py --rows decode          # per_op and every generation row
+    python benchmarks/tpu.py --rows gpt:warm        # the GPT's warm-start rows
     python benchmarks/tpu.py --smoke                # tiny sizes on the CPU platform
 """
 import argparse
@@ -60,16 +79,22 @@ SIZES = {
     False: {"gpt": {"vocab": 8192, "d": 1024, "heads": 16, "layers": 8, "seq": 512, "batch": 8},
             "mlp": {"sizes": (784, 1024, 1024, 10), "batch": 128},
             "per_op": {"n_ops": 1000, "size": 128, "repeats": 7},
-            "steps": {"gpt": (10, 10), "mlp": (10, 30)}},   # (first steps, timed steps)
+            "steps": {"gpt": (10, 10), "mlp": (10, 30)},   # (first steps, timed steps)
+            "warm_steps": {"gpt": (10, 10), "mlp": (10, 30)}},  # (first steps, later steps)
     True: {"gpt": {"vocab": 64, "d": 32, "heads": 2, "layers": 2, "seq": 16, "batch": 2},
            "mlp": {"sizes": (16, 32, 32, 4), "batch": 8},
            "per_op": {"n_ops": 20, "size": 8, "repeats": 2},
-           "steps": {"gpt": (3, 2), "mlp": (3, 2)}},
+           "steps": {"gpt": (3, 2), "mlp": (3, 2)},
+           "warm_steps": {"gpt": (3, 7), "mlp": (3, 7)}},
 }
 # bf16 matmul peak, FLOP/s, by JAX's device_kind.
 PEAK = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12, "TPU v5p": 459e12,
         "TPU v6 lite": 918e12}
 MODES = ("jax", "fused", "fused_default", "replayed", "compiled", "strict")
+# Warm-start rows, MODEL:MODE_warm (MODEL:warm: all four): fused as a user
+# runs it (tiered compilation), strict, compiled; jax on JAX's own cache.
+WARM_MODES = ("jax", "fused", "compiled", "strict")
+STEADY = 1.2  # a steady step: within this of the median of the later steps
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 1e-2
 
 
@@ -358,6 +383,87 @@ def device_ops(path, steps=1, top=25):
                         and "Modules" in threads.get((e["pid"], e.get("tid")), "")][:40]}
 
 
+def _measure_start(model, mode, smoke):
+    """One process of a warm-start row: open the device, build the model,
+    run its steps (the first ones; once the graphs compiling in the
+    background are done, the later ones), with the wall clock at each
+    milestone and what was compiled or loaded from the disk cache
+    (TORCHTPU_CACHE_DIR; the jax row: JAX's own persistent cache in it)."""
+    import jax
+    import torch  # noqa: F401
+    stamps = {"imported": time.time()}
+    jax.devices()  # (opens the device: torchtpu's import would)
+    stamps["opened"] = time.time()
+    counts = collections.Counter()
+    if mode == "jax":
+        jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["TORCHTPU_CACHE_DIR"], "jax"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        # JAX times each compile-or-load; a cache hit loaded one.
+        jax.monitoring.register_event_listener(lambda event, **_: counts.update([event]))
+        jax.monitoring.register_event_duration_secs_listener(lambda event, _, **__: counts.update([event]))
+        run, _ = _jax_step_fn(model, smoke)
+    else:
+        run, _ = _tpu_step_fn(model, mode, smoke)
+    first_n, later = SIZES[smoke]["warm_steps"][model]
+    step_s, done, losses = [], [], []
+    for i in range(first_n + later):
+        if i == first_n and mode != "jax":
+            import torchtpu
+            torchtpu.wait_for_compiles()  # (a cold run's graphs on disk before it exits)
+        start = time.perf_counter()
+        losses.append(run())
+        step_s.append(time.perf_counter() - start)
+        done.append(time.time())
+    steady, median = first_steady(step_s, later)
+    result = {**stamps, "done": done, "step_s": step_s, "steady_step": steady, "ms": median * 1e3,
+              "losses": losses}
+    if mode == "jax":
+        hits = counts["/jax/compilation_cache/cache_hits"]
+        result.update(compilations=counts["/jax/core/compile/backend_compile_duration"] - hits,
+                      disk_hits=hits)
+    else:
+        import torchtpu
+        snap, stats = torchtpu.metrics.snapshot(), torchtpu.cache.stats()
+        result.update(compilations=snap["compilations"], background_compiles=snap["background_compiles"],
+                      graphs_compiled=snap.get("graphs_compiled", 0), graph_pieces=snap.get("graph_pieces", 0),
+                      disk_hits=stats["disk_hits"],
+                      programs_loaded=stats["programs_loaded"], kernels_loaded=stats["kernels_loaded"])
+    return result
+
+
+def first_steady(step_s, later):
+    """(the index of the first steady step, the median of the later steps):
+    a step is steady within STEADY times the median of the last `later`."""
+    import statistics
+    median = statistics.median(step_s[-later:])
+    return next(i for i, s in enumerate(step_s) if s <= STEADY * median), median
+
+
+def _warm_start(spec, timeout):
+    """A warm-start row: the step in a process on a fresh cache directory
+    (cold), then in a second one on the same directory (warm); each
+    process's seconds from its start to opening the device, from there to
+    its first step done and to its first steady step, its compilations and
+    disk hits."""
+    mode = spec["mode"][:-len("_warm")]
+    row = {}
+    with tempfile.TemporaryDirectory(prefix="torchtpu-tpu-bench-warm-") as cache_dir:
+        for state in ("cold", "warm"):
+            launched = time.time()
+            r = run_child(dict(spec, what="start", mode=mode), timeout, cache_dir)
+            if "error" in r:
+                return dict(row, error=f"{state} process: {r['error']}", stderr=r.get("stderr", ""))
+            opened = r.pop("opened")
+            done = r["done_s"] = [t - opened for t in r.pop("done")]
+            r.update(to_device_s=opened - launched, import_s=r.pop("imported") - launched,
+                     first_step_s=done[0], steady_s=done[r["steady_step"]],
+                     compiled=r["compilations"] + r.get("background_compiles", 0))
+            row[state] = r
+    row["ms"], row["losses"] = row["warm"]["ms"], row["warm"]["losses"]
+    return row
+
+
 def _measure_per_op(smoke):
     """µs per op of `c = c + y` in torchtpu's modes; a jitted JAX add's µs
     per call (the platform's launch floor) and per add inside one jit."""
@@ -447,6 +553,8 @@ def child(spec):
         return _cpu_losses(spec["model"], spec["smoke"])
     if what == "decode":
         return tpu_decode.measure(spec, _profile)
+    if what == "start":
+        return _measure_start(spec["model"], spec["mode"], spec["smoke"])
     return _measure_step(spec["model"], spec["mode"], spec["smoke"], spec.get("profile"))
 
 
@@ -509,6 +617,12 @@ def plan(rows, batches=None):
             specs.append({"what": model})
         elif mode == "cpu":
             specs.append({"what": "cpu", "model": model})
+        elif mode.endswith("warm"):
+            modes = [m + "_warm" for m in WARM_MODES] if mode == "warm" else [mode]
+            if mode != "warm" and mode[:-len("_warm")] not in WARM_MODES:
+                raise SystemExit(f"tpu.py: no warm-start row {row} (modes: "
+                                 + ", ".join(m + "_warm" for m in WARM_MODES) + ", warm)")
+            specs += [{"what": "warm", "model": model, "mode": m} for m in modes]
         else:
             specs += [{"what": "step", "model": model, "mode": m} for m in ([mode] if mode else MODES)]
     return specs
@@ -529,10 +643,12 @@ def tables(results):
                 f"{per_op[k]:.1f}" for k in ("jax_call", "jax_in_jit", "strict", "fused", "debug"))
                 + f" | {per_op['strict'] / per_op['jax_call']:.2f}x |")
         lines.append("")
-    if results.get("steps"):
+    steps = {model: {mode: r for mode, r in rows.items() if not mode.endswith("_warm")}
+             for model, rows in results.get("steps", {}).items()}
+    if any(steps.values()):
         lines += ["| model | path | ms per step | × plain JAX | MFU | first step, s | 10 steps, s | first loss | last loss |",
                   "|---|---|---|---|---|---|---|---|---|"]
-    for model, rows in results.get("steps", {}).items():
+    for model, rows in steps.items():
         ref = rows.get("jax", {}).get("ms")
         for mode, r in rows.items():
             if "error" in r:
@@ -546,6 +662,12 @@ def tables(results):
                          + (f"{r['ms'] / ref:.2f}x" if ref else "—") + " | "
                          + (f"{r['mfu'] * 100:.0f}%" if r.get("mfu") else "—")
                          + f" | {first[0]:.1f} | {first[-1]:.1f} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
+    warm = [(model, mode, r) for model, rows in results.get("steps", {}).items()
+            for mode, r in rows.items() if mode.endswith("_warm")]
+    if warm:
+        if any(steps.values()):
+            lines.append("")
+        lines += warm_table(warm)
     if results.get("decode"):
         if results.get("steps"):
             lines.append("")
@@ -553,12 +675,31 @@ def tables(results):
     return "\n".join(lines)
 
 
+def warm_table(rows):
+    """The warm-start rows: the cold process's seconds to its steady step
+    and compilations beside the warm one's figures."""
+    lines = ["| model | path | cold: s to steady | cold: compilations | warm: s to device | "
+             "warm: device to first step, s | warm: device to steady, s | warm: compilations | "
+             "warm: disk hits | steady ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for model, mode, r in rows:
+        if "error" in r:
+            lines.append(f"| {model} | {mode} | error: {r['error'][:200]} |")
+            continue
+        cold, warm = r["cold"], r["warm"]
+        lines.append(f"| {model} | {mode} | {cold['steady_s']:.1f} | {cold['compiled']} | "
+                     f"{warm['to_device_s']:.1f} | {warm['first_step_s']:.2f} | {warm['steady_s']:.2f} | "
+                     f"{warm['compiled']} | {warm['disk_hits']} | {warm['ms']:.2f} |")
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on JAX's CPU platform")
     parser.add_argument("--rows", default="per_op,mlp,gpt,gpt:cpu",
                         help="comma-separated: per_op, MODEL, MODEL:MODE (modes: "
-                             + ", ".join(MODES) + ", cpu); generation: decode (per_op and "
+                             + ", ".join(MODES) + ", cpu; warm-start: "
+                             + ", ".join(m + "_warm" for m in WARM_MODES) + ", warm: all four); generation: decode (per_op and "
                              "every row below), " + ", ".join(tpu_decode.MODELS) + ", MODEL:MODE "
                              "(modes: " + ", ".join(tpu_decode.MODES) + ")")
     parser.add_argument("--batches", help="generation rows' batch sizes, comma-separated "
@@ -585,6 +726,15 @@ def main(argv=None):
         from common import measured
 
         def measure(spec, timeout):
+            if isinstance(spec, list):
+                # A smoke run: its figures from one child, a warm-start
+                # row's from two processes of its own.
+                together = [s for s in spec if s["what"] != "warm"]
+                got = run_child(together, timeout, cache_dir) if together else []
+                got = iter(got if isinstance(got, list) else [got] * len(together))
+                return [_warm_start(s, args.timeout) if s["what"] == "warm" else next(got) for s in spec]
+            if spec["what"] == "warm":
+                return _warm_start(spec, timeout)
             return run_child(spec, timeout, cache_dir)
         for spec, result in measured(specs, measure, args.smoke, args.budget, args.timeout, start):
             if spec["what"] in ("env", "per_op"):

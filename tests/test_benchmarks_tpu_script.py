@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -82,3 +83,54 @@ def test_tokens_check_names_the_first_new_token_that_differs():
     assert rows["jax"]["batches"]["2"]["tokens_equal"] == 2
     assert rows["strict"]["batches"]["2"]["tokens_equal"] is True
     assert rows["strict"]["batches"]["1"]["tokens_equal"] is None  # (no CPU tokens for it)
+
+
+def _tpu_script():
+    bench = os.path.join(ROOT, "benchmarks")
+    sys.path.insert(0, bench)  # (its `import tpu_decode`)
+    try:
+        spec = importlib.util.spec_from_file_location("torchtpu_benchmark_tpu", SCRIPT)
+        tpu = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tpu)
+    finally:
+        sys.path.remove(bench)
+    return tpu
+
+
+def test_warm_start_rows_time_a_second_process_on_the_first_ones_cache(monkeypatch):
+    # (The rows' processes are faked here: a smoke run of them takes a minute.)
+    tpu = _tpu_script()
+    assert [(s["what"], s["mode"]) for s in tpu.plan(["gpt:warm"])] == [
+        ("warm", m + "_warm") for m in tpu.WARM_MODES]
+    with pytest.raises(SystemExit, match="gpt:replayed_warm"):
+        tpu.plan(["gpt:replayed_warm"])
+    # Steady: the first step within 1.2x of the median of the later steps.
+    assert tpu.first_steady([5.0, 0.03, 0.0115, 0.01, 0.011, 0.009], 4) == (2, pytest.approx(0.0105))
+    calls = []
+
+    def child(spec, timeout, cache_dir):
+        calls.append((spec, cache_dir))
+        cold = len(calls) == 1
+        now = time.time()
+        return {"imported": now + 0.5, "opened": now + 1.0, "done": [now + 4.0, now + 4.1, now + 4.2],
+                "step_s": [3.0, 0.1, 0.1], "steady_step": 1, "ms": 100.0, "losses": [2.0, 1.9, 1.8],
+                "compilations": 5 if cold else 0, "background_compiles": 2 if cold else 0,
+                "disk_hits": 0 if cold else 7}
+    monkeypatch.setattr(tpu, "run_child", child)
+    row = tpu._warm_start({"what": "warm", "model": "gpt", "mode": "fused_warm", "smoke": True}, 60)
+    assert [(s["what"], s["mode"]) for s, _ in calls] == [("start", "fused")] * 2
+    assert calls[0][1] == calls[1][1] and not os.path.exists(calls[0][1])  # one directory, removed
+    cold, warm = row["cold"], row["warm"]
+    assert cold["compiled"] == 7 and warm["compiled"] == 0 and warm["disk_hits"] == 7
+    assert warm["to_device_s"] == pytest.approx(1.0, abs=0.5)
+    assert (warm["first_step_s"], warm["steady_s"]) == pytest.approx((3.0, 3.1), abs=1e-3)
+    text = tpu.tables({"steps": {"gpt": {"fused_warm": row}}})
+    line = next(x for x in text.splitlines() if x.startswith("| gpt | fused_warm |"))
+    assert "| 3.1 | 7 |" in line and "| 3.00 | 3.10 | 0 | 7 | 100.00 |" in line
+    calls.clear()
+
+    def warm_one_times_out(spec, timeout, cache_dir):
+        return {"error": "timed out after 60 s"} if calls else child(spec, timeout, cache_dir)
+    monkeypatch.setattr(tpu, "run_child", warm_one_times_out)
+    row = tpu._warm_start({"what": "warm", "model": "gpt", "mode": "strict_warm", "smoke": True}, 60)
+    assert row["error"] == "warm process: timed out after 60 s" and "cold" in row
