@@ -123,6 +123,43 @@ def test_attention_over_a_grown_cache_equals_cpu(mode, mask_kind):
     assert type(kt._storage) is GrownStorage
 
 
+def _mask_step(mask):
+    """One step of an attention mask as generate() (transformers 5.17) keeps
+    it: a column of mask.new_ones() joined on, then read as a bool mask
+    padded to a static cache's length (by a pad that shrinks as it grows),
+    or cropped to one, and its checks (sums: a grown result read whole
+    would be cut)."""
+    mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], -1)
+    b = mask.to(torch.bool)
+    n = mask.shape[-1]
+    return mask, (F.pad(b, (0, 40 - n)), F.pad(mask, (2, 38 - n), value=7), F.pad(b, (0, 20 - n)),
+                  F.pad(mask, (0, 0, 1, 0), value=3).sum(-1), b.sum(), (~b).sum(-1))
+
+
+def test_a_grown_mask_as_generate_reads_it_is_never_cut(mode, monkeypatch, fresh_kernels):
+    # new_ones reads only the mask's dtype and device, and a pad's result is
+    # the padded array padded (or cropped) to its static length: neither
+    # cuts the mask to its length, so its steps compile nothing new in a bucket.
+    monkeypatch.setattr(growth, "GROWTH_MIN", 16)
+    mask = torch.randint(0, 2, (2, 5))
+    mt = mask.to("tpu")
+    for steps in (14, 2, 10, 20):  # into the bucket of 32; then 32's steps; on into 64
+        if steps == 10:
+            torchtpu.sync()
+            torchtpu.metrics.reset()
+        for _ in range(steps):
+            mask, want = _mask_step(mask)
+            mt, got = _mask_step(mt)
+            for g, w in zip(got, want):
+                assert_same(g, w)
+        if steps == 10:
+            torchtpu.sync()
+            assert _compilations() == 0, torchtpu.metrics.snapshot()
+            assert torchtpu.metrics.snapshot().get("grown_cuts", 0) == 0
+    assert type(mt._storage) is GrownStorage and mt._storage.grown.shape[-1] == 64
+    assert_same(mt, mask)
+
+
 def test_growth_can_be_turned_off(monkeypatch, mode):
     monkeypatch.setattr(growth, "ENABLED", False)
     x = torch.randn(2, 1)

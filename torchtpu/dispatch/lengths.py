@@ -26,6 +26,8 @@ The rules, each giving exactly the values of the op at the true extent:
 - sum and mean: over the padded dim exact as it is (a mean divides by the
   true count), over others still padded;
 - a dtype conversion; torch.cat along another dim;
+- constant_pad_nd: along the padded dim, the padded array padded to the
+  result's length (exact: a mask padded to a static cache's length);
 - softmax and log_softmax, and their backwards, over another dim;
 - nll_loss (cross_entropy) and its backward: targets past the extent
   become ignore_index, so neither the loss nor its mean counts them;
@@ -290,7 +292,36 @@ def _mean(func, args, kwargs):
 def _to_copy(func, args, kwargs):
     if set(kwargs) - {"dtype", "memory_format"}:
         return NotImplemented  # (the transfer handler left only these for the tpu)
-    return _pointwise(func, args, kwargs)
+    o = operand(args[0])
+    if o is None:
+        return NotImplemented
+    # A zero converts to a zero in every dtype: nothing past the extent to set.
+    return _result(dispatch(func, (o.padded, *args[1:]), kwargs), o.dim, o.extent, mask=False)
+
+
+def _pad(func, args, kwargs):
+    """constant_pad_nd. Along the padded dim: the padded array padded (or
+    cropped) to the result's length, its zeros past the extent standing for
+    the pad (set to the value where it is not 0); the result is exact. So a
+    mask padded to a static cache's length each step (by a pad that shrinks
+    as the mask grows) compiles once per bucket, not once per length."""
+    x, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    o = operand(x)
+    if o is None or set(kwargs) - {"value"}:
+        return NotImplemented
+    i = 2 * (x.dim() - 1 - o.dim)  # where the padded dim's pair is in pad
+    if len(pad) % 2 or len(pad) > 2 * x.dim():
+        return NotImplemented  # (CPU's error, from the exact path)
+    if i >= len(pad) or pad[i] == pad[i + 1] == 0:  # other dims only: still padded along o.dim
+        out = dispatch(func, (o.padded, pad, value), {})
+        return _result(out, o.dim, o.extent, mask=value != 0)
+    before, after = pad[i], pad[i + 1]
+    if before + o.extent + after < 0:
+        return NotImplemented  # (CPU's error, from the exact path)
+    pad[i + 1] = o.extent + after - o.capacity
+    out = dispatch(func, (o.padded, pad, value), {})
+    return out if value == 0 else _masked(out, o.dim, before + o.extent, value)
 
 
 def _cat(func, args, kwargs):
@@ -453,6 +484,7 @@ PADDED.update({
     aten.mean.default: _mean,
     aten.mean.dim: _mean,
     aten._to_copy.default: _to_copy,
+    aten.constant_pad_nd.default: _pad,
     aten.cat.default: _cat,
     aten._softmax.default: _softmax,
     aten._log_softmax.default: _softmax,

@@ -2,7 +2,8 @@
 be copies, as_strided_scatter, in-place ops whose functional variant takes
 other arguments, legacy batch-norm ops, questions answered with one value
 read back (equal, allclose, linalg's error checks) or from sizes alone
-(_has_same_storage_numel), composite out= kernels
+(_has_same_storage_numel), x.new_* factories (the factory, with x's
+dtype and device), composite out= kernels
 that would not write out=, and the refusal of sparse layouts."""
 import math
 
@@ -100,6 +101,26 @@ def _has_same_storage_numel(base, other):
 
 
 SPECIAL[aten._has_same_storage_numel.default] = _has_same_storage_numel
+
+
+def _factory_of(factory):
+    """x.new_ones(size) and the other new_* ops: the factory itself, with
+    x's dtype and device where none is given. x gives nothing else, so its
+    values are not read (a grown attention mask, `mask.new_ones((b, 1))` in
+    generate's loop, is not cut to its length each step) and its shape keys
+    no kernel (the factory compiles once for its size, not once per x)."""
+    def run(x, *args, dtype=None, layout=None, device=None, pin_memory=None):
+        return factory(*args, dtype=x.dtype if dtype is None else dtype, layout=layout,
+                       device=x.device if device is None else device, pin_memory=pin_memory)
+    return run
+
+
+for _new, _factory in ((aten.new_empty.default, aten.empty.memory_format),
+                       (aten.new_empty_strided.default, aten.empty_strided.default),
+                       (aten.new_zeros.default, aten.zeros.default),
+                       (aten.new_ones.default, aten.ones.default),
+                       (aten.new_full.default, aten.full.default)):
+    SPECIAL[_new] = _factory_of(_factory)
 
 
 def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):

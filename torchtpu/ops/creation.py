@@ -16,14 +16,14 @@ def _out_shape(i=0):
 # zeros_like and ones_like are lowered rather than decomposed into full_like:
 # backward starts with ones_like, every step (the decomposition cost ~50 us
 # on the host).
+# (x.new_zeros and the other new_* run these factories: dispatch.rewrites.)
 @lower(aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default,
-       aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default,
        aten.empty_like.default, aten.zeros_like.default)
 def zeros(*args, **kwargs):
     return jnp.zeros(_out_shape(), ctx_dtype())
 
 
-@lower(aten.ones.default, aten.new_ones.default, aten.ones_like.default)
+@lower(aten.ones.default, aten.ones_like.default)
 def ones(*args, **kwargs):
     return jnp.ones(_out_shape(), ctx_dtype())
 
@@ -40,7 +40,7 @@ def _fill_value(value, dtype):
     return jnp.asarray(value).astype(dtype)
 
 
-@lower(aten.full.default, aten.new_full.default)
+@lower(aten.full.default)
 def full(*args, fill_value=None, **kwargs):
     if fill_value is None:
         fill_value = args[-1]
