@@ -241,6 +241,8 @@ def jit(fn, name=None, donate_argnums=(), device=0, options=None):
     if name is not None:
         fn.__name__ = fn.__qualname__ = name
     placed = dict(keep_unused=True) if device is None else dict(out_shardings=runtime.SHARDINGS[device])
+    # PyTorch's rounding goes with every program from here: JAX adds the
+    # options a later .lower().compile(options) is given to these.
     return jax.jit(fn, donate_argnums=donate_argnums,
                    compiler_options=runtime.compiler_options(options), **placed)
 
@@ -394,14 +396,14 @@ def _compile(fn, name, key, args, donate_argnums, device, traced=None, options=N
     """fn compiled for args, its module named after its record's key, past
     JAX's own disk entries (the record holds the executable), which JAX
     then neither serializes nor writes. JAX counts the compilation; the
-    disk miss is counted here. traced: fn's trace for args, if made already."""
-    from . import runtime
+    disk miss is counted here. traced: fn's trace for args, if made already
+    (by jit)."""
     _tl.bypass = True
     try:
         with profiling.span(lambda: f"torchtpu compile {name}"), compat.no_jax_cache_write():
             if traced is None:
                 traced = jit(fn, f"{name}_{key[-16:]}", donate_argnums, device).trace(*args)
-            compiled = traced.lower().compile(runtime.compiler_options(options))
+            compiled = traced.lower().compile(options)
     finally:
         _tl.bypass = False
     _count_disk_miss()
@@ -545,10 +547,8 @@ def _jit_in_background(fn, args, key_text, name, donate_argnums, device, disk, c
     specs = shape_specs(args)  # (the thread must not keep the arrays alive)
 
     def work():
-        from . import runtime
         if key is None:
-            return jit(fn, name, donate_argnums, device).lower(*specs).compile(
-                runtime.compiler_options(options))
+            return jit(fn, name, donate_argnums, device).lower(*specs).compile(options)
         compiled = _compile(fn, name, key, specs, donate_argnums, device, options=options)
         disk.put(key, _encode({}, compiled))
         return compiled

@@ -32,7 +32,7 @@ def jit_kernel(owner, fn, name, device=0, graph=False):
         if owner.stable_key is not None and disk is not None:
             owner.jitted = _kernel_executable(disk, owner, fn, name, device, args, options)
         elif owner.traced is not None:  # fused mode's trace (of a kernel with a stable key)
-            owner.jitted = owner.traced.lower().compile(runtime.compiler_options(options))
+            owner.jitted = owner.traced.lower().compile(options)
         else:
             owner.jitted = jit(fn, name, device=device, options=options)
         owner.traced = owner.trace_args = None
