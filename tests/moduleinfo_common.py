@@ -306,7 +306,9 @@ def compare(actual, expected, tol, what="", on_tpu=True):
             torch.testing.assert_close(a, e, equal_nan=True, check_device=False,
                                        check_stride=False, **tol)
         except (AssertionError, TypeError) as err:
-            raise Failure(f"{what}{key}: {short_error(err)}") from err
+            # How far off, so that a run on another platform says what it measured.
+            greatest = [ln.strip() for ln in str(err).splitlines() if ln.strip().startswith("Greatest")]
+            raise Failure(f"{what}{key}: {short_error(err)} {' '.join(greatest)}".rstrip()) from err
 
 
 def _meta(d):

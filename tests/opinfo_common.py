@@ -313,7 +313,7 @@ def _normalize(tree):
 def short_error(e):
     """One line that says what went wrong."""
     if isinstance(e, Failure):
-        return str(e)[:240]
+        return str(e)[:400]
     name = type(e).__name__
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     if isinstance(e, AssertionError) and lines:
