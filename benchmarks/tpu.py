@@ -94,6 +94,7 @@ MODES = ("jax", "fused", "fused_default", "replayed", "compiled", "strict")
 # Warm-start rows, MODEL:MODE_warm (MODEL:warm: all four): fused as a user
 # runs it (tiered compilation), strict, compiled; jax on JAX's own cache.
 WARM_MODES = ("jax", "fused", "compiled", "strict")
+SETUP_STAMPS = ("torchtpu_imported", "built", "uploaded", "optimizer_made")
 STEADY = 1.2  # a steady step: within this of the median of the later steps
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 1e-2
 
@@ -250,20 +251,28 @@ def _jax_step_fn(model, smoke):
 
 # ---- torchtpu -------------------------------------------------------------------
 
-def _tpu_step_fn(model, mode, smoke):
+def _tpu_step_fn(model, mode, smoke, stamps=None):
     """run() -> loss of a torchtpu row: an eager mode's step, the step
-    captured once and replayed, or torch.compile's."""
+    captured once and replayed, or torch.compile's. stamps: a dict given
+    the wall clock as each part of the set-up ends (torchtpu imported, the
+    model built on the host, uploaded, the optimizer made)."""
     import torch
     import torch.nn.functional as F
     import torchtpu
+    stamps = {} if stamps is None else stamps
+    stamps["torchtpu_imported"] = time.time()
     net, x, y, flops, autocast = _model_and_batch(model, smoke)
+    stamps["built"] = time.time()
     # The mode for the whole process, as a script sets it (leaving a
     # `with torchtpu.eager_mode(...)` block each step would be a sync point).
     torchtpu.set_eager_mode("strict" if mode in ("replayed", "compiled") else mode)
     net = net.to("tpu")
     x, y = x.to("tpu"), y.to("tpu")
+    torchtpu.sync()
+    stamps["uploaded"] = time.time()
     opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             capturable=mode in ("replayed", "compiled"))
+    stamps["optimizer_made"] = time.time()
 
     def loss_of(x, y):
         with torch.autocast("tpu", dtype=torch.bfloat16, enabled=autocast):
@@ -404,7 +413,7 @@ def _measure_start(model, mode, smoke):
         jax.monitoring.register_event_duration_secs_listener(lambda event, _, **__: counts.update([event]))
         run, _ = _jax_step_fn(model, smoke)
     else:
-        run, _ = _tpu_step_fn(model, mode, smoke)
+        run, _ = _tpu_step_fn(model, mode, smoke, stamps)
     first_n, later = SIZES[smoke]["warm_steps"][model]
     step_s, done, losses = [], [], []
     for i in range(first_n + later):
@@ -456,6 +465,8 @@ def _warm_start(spec, timeout):
                 return dict(row, error=f"{state} process: {r['error']}", stderr=r.get("stderr", ""))
             opened = r.pop("opened")
             done = r["done_s"] = [t - opened for t in r.pop("done")]
+            # The set-up's parts, as seconds from opening the device (torchtpu rows).
+            r["setup_s"] = {k: r.pop(k) - opened for k in SETUP_STAMPS if k in r}
             r.update(to_device_s=opened - launched, import_s=r.pop("imported") - launched,
                      first_step_s=done[0], steady_s=done[r["steady_step"]],
                      compiled=r["compilations"] + r.get("background_compiles", 0))
@@ -679,16 +690,20 @@ def warm_table(rows):
     """The warm-start rows: the cold process's seconds to its steady step
     and compilations beside the warm one's figures."""
     lines = ["| model | path | cold: s to steady | cold: compilations | warm: s to device | "
-             "warm: device to first step, s | warm: device to steady, s | warm: compilations | "
-             "warm: disk hits | steady ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "warm: device to first step, s | warm: set-up, s (torchtpu / model / upload / optimizer) | "
+             "warm: device to steady, s | warm: compilations | warm: disk hits | steady ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, mode, r in rows:
         if "error" in r:
             lines.append(f"| {model} | {mode} | error: {r['error'][:200]} |")
             continue
         cold, warm = r["cold"], r["warm"]
+        ends = [warm.get("setup_s", {}).get(k) for k in SETUP_STAMPS]
+        # Each part's seconds: from the previous part's end (the first: from opening the device).
+        setup = (" / ".join(f"{b - a:.2f}" for a, b in zip([0.0] + ends, ends))
+                 if None not in ends else "—")
         lines.append(f"| {model} | {mode} | {cold['steady_s']:.1f} | {cold['compiled']} | "
-                     f"{warm['to_device_s']:.1f} | {warm['first_step_s']:.2f} | {warm['steady_s']:.2f} | "
+                     f"{warm['to_device_s']:.1f} | {warm['first_step_s']:.2f} | {setup} | {warm['steady_s']:.2f} | "
                      f"{warm['compiled']} | {warm['disk_hits']} | {warm['ms']:.2f} |")
     return lines
 

@@ -112,7 +112,9 @@ def test_warm_start_rows_time_a_second_process_on_the_first_ones_cache(monkeypat
         calls.append((spec, cache_dir))
         cold = len(calls) == 1
         now = time.time()
-        return {"imported": now + 0.5, "opened": now + 1.0, "done": [now + 4.0, now + 4.1, now + 4.2],
+        return {"imported": now + 0.5, "opened": now + 1.0, "torchtpu_imported": now + 1.2,
+                "built": now + 1.5, "uploaded": now + 2.0, "optimizer_made": now + 2.1,
+                "done": [now + 4.0, now + 4.1, now + 4.2],
                 "step_s": [3.0, 0.1, 0.1], "steady_step": 1, "ms": 100.0, "losses": [2.0, 1.9, 1.8],
                 "compilations": 5 if cold else 0, "background_compiles": 2 if cold else 0,
                 "disk_hits": 0 if cold else 7}
@@ -126,7 +128,7 @@ def test_warm_start_rows_time_a_second_process_on_the_first_ones_cache(monkeypat
     assert (warm["first_step_s"], warm["steady_s"]) == pytest.approx((3.0, 3.1), abs=1e-3)
     text = tpu.tables({"steps": {"gpt": {"fused_warm": row}}})
     line = next(x for x in text.splitlines() if x.startswith("| gpt | fused_warm |"))
-    assert "| 3.1 | 7 |" in line and "| 3.00 | 3.10 | 0 | 7 | 100.00 |" in line
+    assert "| 3.1 | 7 |" in line and "| 3.00 | 0.20 / 0.30 / 0.50 / 0.10 | 3.10 | 0 | 7 | 100.00 |" in line
     calls.clear()
 
     def warm_one_times_out(spec, timeout, cache_dir):
