@@ -84,12 +84,12 @@ def _host_array(t, reason):
         padded = runtime.to_host(device_array(storage.grown, reason), t.dtype)
         return padded.narrow(storage.axis, 0, storage.extent).clone()
     view = t._view
-    arr = storage.array
-    if view is None and bounds.unread and type(storage) is Storage and isinstance(arr, jax.Array):
+    if view is None and bounds.unread and type(storage) is Storage and isinstance(storage.array, jax.Array):
         # Its copy starts before the sync point reads the index checks'
         # flags: the two transfers overlap (on a TPU host each round trip
-        # costs about as much as a small step's compute).
-        arr.copy_to_host_async()
+        # costs about as much as a small step's compute). (Not a grown
+        # storage: its .array would cut the exact value by a kernel.)
+        storage.array.copy_to_host_async()
     if type(view) is View and type(storage) is Storage:
         arr = _concrete(storage, reason)
         if arr.size * arr.dtype.itemsize <= _HOST_VIEW_MAX_BYTES or arr.size <= 2 * math.prod(view.shape):
