@@ -452,10 +452,21 @@ def checked_for(storage):
         if arr is None or arr.is_deleted():
             return False
         arrays.append(arr)
-    return not any(flag[1] for flag in jax.device_get(jax.block_until_ready(arrays)))  # (to_host's why)
+    return not any(flag[1] for flag in _read(arrays))
 
 
 # ---- at sync points --------------------------------------------------------------
+
+def _read(arrays):
+    """The flag arrays' values on the host. Their copies start first, queued
+    behind the programs that compute them, so each arrives as its program
+    ends rather than one round trip after (a TPU host's round trip is about
+    a millisecond); then waited for, so that a failed program raises its
+    error (runtime.to_host's why)."""
+    for a in arrays:
+        a.copy_to_host_async()
+    return jax.device_get(jax.block_until_ready(arrays))
+
 
 def check():
     """Read the running flags once the ops merged into them have run (one
@@ -468,7 +479,7 @@ def check():
     used = [f for f in _flags.values() if f.positions]
     if any(type(f.running.array) is Pending for f in used):
         return
-    flags = [(f, jax.device_get(jax.block_until_ready(f.running.array))) for f in used]  # (to_host's why)
+    flags = list(zip(used, _read([f.running.array for f in used])))
     checks = unread[:]
     del unread[:]
     failed, first = 0, None
