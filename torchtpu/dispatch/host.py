@@ -5,9 +5,7 @@ import math
 
 import torch
 
-import jax
-
-from .. import bounds, cache, errors, modes, profiling, runtime
+from .. import cache, errors, modes, profiling, runtime
 from ..compat import aten
 from ..tensor import GrownStorage, Lost, Storage, TpuTensor, View, Window, grown_view, read_view, read_view_at
 
@@ -51,9 +49,10 @@ def device_array(t, reason="read"):
     return _viewed(_concrete(storage, reason), t._view)
 
 
-def _concrete(storage, reason):
-    """storage's array, waiting for its executor; a lost value raises."""
-    arr = modes.current().concrete(storage, reason)
+def _concrete(storage, reason, to_host=False):
+    """storage's array, waiting for its executor; a lost value raises.
+    to_host: it is downloaded next (its copy may start early)."""
+    arr = modes.current().concrete(storage, reason, to_host)
     if type(arr) is Lost:
         arr.fail()
     return arr
@@ -84,12 +83,6 @@ def _host_array(t, reason):
         padded = runtime.to_host(device_array(storage.grown, reason), t.dtype)
         return padded.narrow(storage.axis, 0, storage.extent).clone()
     view = t._view
-    if view is None and bounds.unread and type(storage) is Storage and isinstance(storage.array, jax.Array):
-        # Its copy starts before the sync point reads the index checks'
-        # flags: the two transfers overlap (on a TPU host each round trip
-        # costs about as much as a small step's compute). (Not a grown
-        # storage: its .array would cut the exact value by a kernel.)
-        storage.array.copy_to_host_async()
     if type(view) is View and type(storage) is Storage:
         arr = _concrete(storage, reason)
         if arr.size * arr.dtype.itemsize <= _HOST_VIEW_MAX_BYTES or arr.size <= 2 * math.prod(view.shape):
@@ -98,6 +91,8 @@ def _host_array(t, reason):
             whole = runtime.to_host(arr, t.dtype).reshape(-1)
             return whole.as_strided(view.shape, view.stride, view.offset).clone()
         return runtime.to_host(_viewed(arr, view), t.dtype)
+    if view is None and type(storage) is Storage:
+        return runtime.to_host(_concrete(storage, reason, to_host=True), t.dtype)
     return runtime.to_host(device_array(t, reason), t.dtype)
 
 

@@ -86,7 +86,7 @@ class CaptureExecutor(FusedExecutor):
             self.failed = error
         raise error
 
-    def concrete(self, storage, reason="read"):
+    def concrete(self, storage, reason="read", to_host=False):
         self._fail(_sync_error("reading a tensor's value on the host"))
 
     def sync(self, reason="sync"):

@@ -32,9 +32,21 @@ class StrictExecutor:
         """storage's value is about to be replaced whole by an upload (the
         empty buffer .to("tpu") makes); fused mode drops the op that made it."""
 
-    def concrete(self, storage, reason="read"):
+    def concrete(self, storage, reason="read", to_host=False):
+        """storage's array once its value is computed; a sync point.
+        to_host: the caller reads it to the host next (a download)."""
+        if to_host:
+            self._start_copy(storage)
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
+
+    @staticmethod
+    def _start_copy(storage):
+        """A download's copy starts before the index checks' flags are
+        read: the two round trips overlap (on a TPU host each costs about a
+        millisecond, as much as a small step)."""
+        if bounds.unread and isinstance(storage.array, jax.Array):
+            storage.array.copy_to_host_async()
 
     def sync(self, reason="sync"):
         if self._last is not None:
