@@ -114,3 +114,29 @@ def test_isin_as_generation_calls_it_is_one_kernel(elements, test_elements, inve
     assert torchtpu.metrics.snapshot()["ops_dispatched"] == 1
     assert got.device.type == "tpu" and got.dtype == want.dtype
     assert torch.equal(got.cpu(), want)
+
+
+def test_logits_processors_with_device_generators_and_token_lists():
+    """transformers' watermarking processors draw from torch.Generator(device=...)
+    and SuppressTokensLogitsProcessor builds its ids with torch.tensor(list(ids)):
+    on tpu they give CPU's scores from the same tables (the tables' draws
+    themselves are tpu's stream, not CPU's)."""
+    import numpy as np
+    from transformers.generation import (SuppressTokensLogitsProcessor,
+                                         SynthIDTextWatermarkLogitsProcessor, WatermarkLogitsProcessor)
+    ids = torch.randint(0, 50, (3, 6), generator=torch.Generator().manual_seed(0))
+    scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    cfg = dict(ngram_len=3, keys=np.array([17, 4242]), sampling_table_size=256, sampling_table_seed=0,
+               context_history_size=16)
+    out = {}
+    for dev in ("cpu", "tpu"):
+        synthid = SynthIDTextWatermarkLogitsProcessor(**cfg, device=dev)
+        synthid.sampling_table = SynthIDTextWatermarkLogitsProcessor(**cfg, device="cpu").sampling_table.to(dev)
+        suppress = SuppressTokensLogitsProcessor(list(torch.tensor([3, 7], device=dev)), device=dev)
+        out[dev] = [p(ids.to(dev), scores.to(dev)).cpu() for p in (synthid, suppress)]
+        watermark = WatermarkLogitsProcessor(vocab_size=50, device=dev)
+        biased = (watermark(ids.to(dev), scores.to(dev)) - scores.to(dev)).cpu()
+        green = (biased - watermark.bias).abs() < 1e-5  # 12 ids a row (a quarter), drawn per row
+        assert (green | (biased.abs() < 1e-5)).all() and (green.sum(1) == 12).all()
+    for got, want in zip(out["tpu"], out["cpu"]):
+        torch.testing.assert_close(got, want)

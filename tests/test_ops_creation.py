@@ -90,6 +90,16 @@ def test_tensor_literal_every_dtype(dtype):
     both(lambda d: torch.ones(2, dtype=dtype, device=d))
 
 
+
+def test_tensor_of_0dim_tensors():
+    # torch.tensor() reads each 0-dim tensor at the backend's _local_scalar_dense
+    # (Hugging Face's SuppressTokensLogitsProcessor(list(ids))).
+    both(lambda d: torch.tensor(list(torch.tensor([3, 1, 4], device=d)), device=d))
+    both(lambda d: torch.as_tensor([torch.tensor(2.5, device=d), torch.tensor(-1.0, device=d)],
+                                   device=d))
+    cpu = torch.tensor(list(torch.tensor([3, 1], device="tpu")))
+    assert cpu.device.type == "cpu" and torch.equal(cpu, torch.tensor([3, 1]))
+
 def test_like_and_new():
     x = torch.randn(3, 4)
     t = x.to("tpu")

@@ -86,6 +86,51 @@ def test_rng_state_round_trip():
     torch.testing.assert_close(torch.rand(5, device=DEV).cpu(), b, rtol=0, atol=0)
 
 
+
+def test_device_generator_as_cpus():
+    """torch.Generator(device="tpu") (what Hugging Face's watermarking
+    processors make, a Python backend's C++ hooks cannot): as a CPU generator
+    on CPU, its seed repeats its draws, its state round-trips, and neither it
+    nor the default generator moves the other; new generators compile nothing."""
+    import copy
+    import pickle
+    draws = (lambda g, d: torch.rand(5, generator=g, device=d),
+             lambda g, d: torch.randperm(9, generator=g, device=d),
+             lambda g, d: torch.randint(0, 7, (6,), generator=g, device=d),
+             lambda g, d: torch.empty(4, device=d).normal_(generator=g),
+             lambda g, d: torch.multinomial(torch.ones(8, device=d), 3, generator=g))
+    for dev in ("cpu", DEV):
+        g = torch.Generator(device=dev)
+        assert isinstance(g, torch.Generator) and g.device.type == dev
+        g.manual_seed(11)
+        first = [f(g, dev).cpu() for f in draws]
+        assert g.manual_seed(11) is g and g.initial_seed() == 11
+        torch.manual_seed(0)
+        global_draw = torch.rand(5, device=dev).cpu()
+        state = g.get_state()
+        assert all(torch.equal(f(g, dev).cpu(), a) for f, a in zip(draws, first))
+        torch.manual_seed(0)
+        torch.testing.assert_close(torch.rand(5, device=dev).cpu(), global_draw, rtol=0, atol=0)
+        g.set_state(state)
+        again = draws[0](g, dev).cpu()
+        for h in (pickle.loads(pickle.dumps(g.set_state(state))), copy.deepcopy(g.set_state(state)),
+                  g.set_state(state).clone_state()):
+            assert h.device == g.device
+            torch.testing.assert_close(draws[0](h, dev).cpu(), again, rtol=0, atol=0)
+    # The default generator's stream under torch.manual_seed(seed), as CUDA's.
+    torch.manual_seed(11)
+    torch.testing.assert_close(torch.rand(5, device=DEV).cpu(), first[0], rtol=0, atol=0)
+    assert type(torch.Generator()) is torch._C.Generator
+    assert isinstance(torch._C.Generator(), torch.Generator)
+    torchtpu.sync()
+    before = torchtpu.metrics.M.compilations
+    for seed in range(3):
+        torch.rand(5, generator=torch.Generator(DEV).manual_seed(seed), device=DEV).cpu()
+    assert torchtpu.metrics.M.compilations == before
+    with pytest.raises(RuntimeError, match="torch.Generator of its own inside"):
+        with torch.tpu.graph(torch.tpu.TPUGraph()):
+            torch.rand(5, generator=g, device=DEV)
+
 def test_no_recompile_per_call():
     x = torch.empty(16, device=DEV)
     x.normal_()

@@ -252,6 +252,9 @@ def register_device():
     _accelerator_memory()
     _accelerator_device_functions()
     streams.install()
+    # torch.Generator(device="tpu"): PyTorch would ask the C++ hooks, which a
+    # Python backend cannot give one (torchtpu.ops.random.Generator).
+    torch.Generator = _random.Generator
 
 
 def _optimizers_default_to_foreach():
@@ -296,6 +299,10 @@ def register_kernels():
     _lib.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src, non_blocking),
               "PrivateUse1")
     _lib.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")
+    # torch.tensor([t[0], t[1]]) of 0-dim tpu tensors reads each element with
+    # the Python key excluded, at the backend's own kernel.
+    from .dispatch.transfers import _local_scalar_dense
+    _lib.impl("_local_scalar_dense", _local_scalar_dense, "PrivateUse1")
     for op in OUT_VIA_FUNCTIONAL:
         # A backend kernel takes the place of the composite one, so these ops
         # reach __torch_dispatch__ (this kernel itself is never reached first).

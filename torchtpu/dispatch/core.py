@@ -207,6 +207,8 @@ def _run_lowered(plan, args, kwargs):
         kw_specs = []
         for k, v in kwargs.items():
             kind, f = type(v), plan.tensorish.get(k, False)
+            if k == "generator":  # drawn from at run time (below), not a key part
+                v, kind = None, type(None)
             if kind not in PLAIN_TYPES and call is None:
                 call = Call(storages, arrays, slots, dynamic, (args, kwargs), plan.kind != "mutate")
             kw_specs.append((k, plain_spec(v, kind, f, dynamic) if kind in PLAIN_TYPES
@@ -278,7 +280,12 @@ def _run_lowered(plan, args, kwargs):
     if dynamic:
         flat.extend(dynamic)
     if plan.random:
-        key = rng.next_key()
+        generator = kwargs.get("generator") if kwargs else None
+        if generator is not None and ex.name == "capture" and rng.tpu_generator(generator) is not None:
+            raise RuntimeError(f"torchtpu: {plan.name} draws from a torch.Generator of its own inside "
+                               "torch.tpu.graph capture, which replay cannot advance: draw from the "
+                               "default generator there (torch.manual_seed)")
+        key = rng.next_key(generator)
         if key[0] is None:
             raise RuntimeError(f"{plan.name} draws random numbers: inside a function traced by "
                                "JAX (torchtpu.jax.functionalize) pass it rng_key=, a jax.random key")

@@ -8,6 +8,7 @@ Streams are reproducible under torch.manual_seed, not equal to CPU's.
 """
 import contextlib
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -57,12 +58,142 @@ def position():
     return _state["seed"], _state["offset"]
 
 
-def next_key():
+def tpu_generator(generator):
+    """The tpu torch.Generator that an op's generator argument is, or None
+    (an op receives a new Python object for the generator it was given)."""
+    return None if generator is None else _TPU_GENERATORS.get(generator._cdata)
+
+
+def next_key(generator=None):
     """(seed, offset) for the next random op, as kernel inputs (seed None:
-    inside drawn_from(None), where no op may draw)."""
-    offset = _state["offset"]
-    _state["offset"] = offset + 1
-    return _state["seed"], offset
+    inside drawn_from(None), where no op may draw): from generator when it
+    is a tpu torch.Generator, else from the device's default generator."""
+    tpu = tpu_generator(generator)
+    state = _state if tpu is None else tpu._tpu_state
+    offset = state["offset"]
+    state["offset"] = offset + 1
+    return state["seed"], offset
+
+
+_TPU_GENERATORS = weakref.WeakValueDictionary()  # C++ generator address -> tpu Generator
+
+
+def _state_tensor(state):
+    return torch.tensor([state["seed"], state["offset"]], dtype=torch.int64).view(torch.uint8)
+
+
+class _GeneratorType(type(torch._C.Generator)):
+    def __instancecheck__(cls, obj):
+        # Every generator (those torch._C.Generator makes for other devices)
+        # stays an instance of torch.Generator.
+        if cls is Generator:
+            return isinstance(obj, torch._C.Generator)
+        return super().__instancecheck__(obj)
+
+    def __subclasscheck__(cls, sub):
+        if cls is Generator:
+            return issubclass(sub, torch._C.Generator)
+        return super().__subclasscheck__(sub)
+
+
+class Generator(torch._C.Generator, metaclass=_GeneratorType):
+    """torch.Generator once torchtpu is imported: torch.Generator(device="tpu")
+    is a generator of its own (seed, offset), drawn from by the random ops
+    given it as generator= (PyTorch asks a C++ backend's hooks for a device
+    generator, which a Python backend cannot register). Other devices get
+    PyTorch's own generator. Its stream under a seed is the default tpu
+    generator's under torch.manual_seed(seed)."""
+    _tpu_index = None  # a tpu generator's device index
+
+    def __new__(cls, device=None):
+        dev = device if device is None or isinstance(device, torch.device) else torch.device(device)
+        if dev is None or dev.type != "tpu":
+            if cls is Generator:
+                return torch._C.Generator() if device is None else torch._C.Generator(device)
+            return torch._C.Generator.__new__(cls, *(() if device is None else (device,)))
+        from .. import properties
+        self = torch._C.Generator.__new__(cls)  # (a CPU generator underneath, unused)
+        self._tpu_index = properties.checked_index(dev)
+        self._tpu_state = {"seed": _signed64(67280421310721), "offset": 0}  # CUDA's default seed
+        # An op given it receives another Python object for the same C++
+        # generator: its address finds this one.
+        _TPU_GENERATORS[self._cdata] = self
+        return self
+
+    def __init__(self, device=None):
+        pass
+
+    @property
+    def device(self):
+        if self._tpu_index is None:
+            return torch._C.Generator.device.__get__(self)
+        return torch.device("tpu", self._tpu_index)
+
+    def manual_seed(self, seed):
+        if self._tpu_index is None:
+            return super().manual_seed(seed)
+        self._tpu_state.update(seed=_signed64(seed), offset=0)
+        return self
+
+    def seed(self):
+        if self._tpu_index is None:
+            return super().seed()
+        import random
+        self.manual_seed(random.getrandbits(63))
+        return self.initial_seed()
+
+    def initial_seed(self):
+        if self._tpu_index is None:
+            return super().initial_seed()
+        return self._tpu_state["seed"] & 0xFFFFFFFFFFFFFFFF
+
+    def get_state(self):
+        if self._tpu_index is None:
+            return super().get_state()
+        return _state_tensor(self._tpu_state)
+
+    def set_state(self, new_state):
+        if self._tpu_index is None:
+            return super().set_state(new_state)
+        seed_, offset = new_state.cpu().contiguous().view(torch.int64).tolist()
+        self._tpu_state.update(seed=_signed64(seed_), offset=offset)
+        return self
+
+    def get_offset(self):
+        if self._tpu_index is None:
+            return super().get_offset()
+        return self._tpu_state["offset"]
+
+    def set_offset(self, offset):
+        if self._tpu_index is None:
+            return super().set_offset(offset)
+        self._tpu_state["offset"] = int(offset)
+        return self
+
+    def clone_state(self):
+        if self._tpu_index is None:
+            return super().clone_state()
+        return Generator(self.device).set_state(self.get_state())
+
+    def graphsafe_get_state(self):
+        if self._tpu_index is None:
+            return super().graphsafe_get_state()
+        return self.clone_state()
+
+    def graphsafe_set_state(self, state):
+        if self._tpu_index is None:
+            return super().graphsafe_set_state(state)
+        return self.set_state(state.get_state())
+
+    def __reduce__(self):
+        if self._tpu_index is None:
+            return super().__reduce__()
+        return _generator_from_state, (self._tpu_index, self.get_state())
+
+
+def _generator_from_state(index, state):
+    """A pickled tpu generator's restore."""
+    return Generator(torch.device("tpu", index)).set_state(state)
 
 
 @contextlib.contextmanager
