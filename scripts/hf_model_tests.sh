@@ -12,7 +12,8 @@
 # under the test tree. The test tree is $HF_TESTS (default /tmp/hf_tests):
 # a folder holding transformers' tests/ package for the installed
 # transformers (the sdist of the same version ships tests/ with the common
-# mixins; the model folders come from the transformers repository), with
+# mixins; tests/generation/, tests/exporters/ and the model folders come
+# from the transformers repository), with
 # src/transformers a link to the installed package (the mixins import it from
 # there) and _deps/ holding `pip install --target` of parameterized. It is
 # not part of this repository. DEVICE tpu sets TRANSFORMERS_TEST_BACKEND=torchtpu
