@@ -131,6 +131,18 @@ def test_device_generator_as_cpus():
         with torch.tpu.graph(torch.tpu.TPUGraph()):
             torch.rand(5, generator=g, device=DEV)
 
+
+@pytest.mark.parametrize("draw", [lambda g: torch.rand(5, generator=g, device=DEV),
+                                  lambda g: torch.empty(4, device=DEV).normal_(generator=g),
+                                  lambda g: torch.randperm(9, generator=g, device=DEV)],
+                         ids=["rand", "normal_", "randperm"])
+def test_another_devices_generator_raises_as_on_cuda(draw):
+    # CUDA's kernels refuse a CPU generator ("Expected a 'cuda' device type
+    # for generator but found 'cpu'"): its seed cannot drive the device's draws.
+    with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"):
+        draw(torch.Generator().manual_seed(0))
+        torchtpu.sync()
+
 def test_no_recompile_per_call():
     x = torch.empty(16, device=DEV)
     x.normal_()
