@@ -280,18 +280,7 @@ def _run_lowered(plan, args, kwargs):
     if dynamic:
         flat.extend(dynamic)
     if plan.random:
-        generator = kwargs.get("generator") if kwargs else None
-        if generator is not None:
-            if rng.tpu_generator(generator) is None:
-                # As CUDA's kernels refuse another device's generator (its
-                # stream cannot drive this device's draws).
-                raise RuntimeError("Expected a 'tpu' device type for generator but found "
-                                   f"'{generator.device.type}'")
-            if ex.name == "capture":
-                raise RuntimeError(f"torchtpu: {plan.name} draws from a torch.Generator of its own inside "
-                                   "torch.tpu.graph capture, which replay cannot advance: draw from the "
-                                   "default generator there (torch.manual_seed)")
-        key = rng.next_key(generator)
+        key = rng.next_key(kwargs.get("generator") if kwargs else None, plan.name, ex.replays)
         if key[0] is None:
             raise RuntimeError(f"{plan.name} draws random numbers: inside a function traced by "
                                "JAX (torchtpu.jax.functionalize) pass it rng_key=, a jax.random key")

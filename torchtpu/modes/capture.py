@@ -47,6 +47,7 @@ def _sync_error(what):
 class CaptureExecutor(FusedExecutor):
     name = "capture"
     fuses = False  # the region is one graph, issued by its replays (no flush at the backward)
+    replays = True
 
     def __init__(self):
         super().__init__()

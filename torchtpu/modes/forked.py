@@ -18,6 +18,7 @@ class ForkedExecutor:
     records = False
     fuses = False
     waits_each_op = False
+    replays = False
 
     def __init__(self, name):
         self.name = name  # the parent's mode, as get_eager_mode() said before the fork

@@ -12,6 +12,7 @@ class StrictExecutor:
     records = False        # ops run as they come (fused mode and capture record them into graphs)
     fuses = False          # recorded ops are issued by flushes as the program runs (fused mode)
     waits_each_op = False  # each op is waited for, its index bounds checked first (debug mode)
+    replays = False        # what is recorded runs at each replay of a captured graph (capture)
 
     def __init__(self):
         self._last = None

@@ -64,11 +64,22 @@ def tpu_generator(generator):
     return None if generator is None else _TPU_GENERATORS.get(generator._cdata)
 
 
-def next_key(generator=None):
+def next_key(generator=None, op=None, replayed=False):
     """(seed, offset) for the next random op, as kernel inputs (seed None:
-    inside drawn_from(None), where no op may draw): from generator when it
-    is a tpu torch.Generator, else from the device's default generator."""
+    inside drawn_from(None), where no op may draw): from generator, a tpu
+    torch.Generator, or else from the device's default generator. op: the
+    op's name; replayed: it is recorded into a graph that replays it."""
     tpu = tpu_generator(generator)
+    if generator is not None:
+        if tpu is None:
+            # As CUDA's kernels refuse another device's generator (its
+            # stream cannot drive this device's draws).
+            raise RuntimeError("Expected a 'tpu' device type for generator but found "
+                               f"'{generator.device.type}'")
+        if replayed:
+            raise RuntimeError(f"torchtpu: {op} draws from a torch.Generator of its own inside "
+                               "torch.tpu.graph capture, which replay cannot advance: draw from the "
+                               "default generator there (torch.manual_seed)")
     state = _state if tpu is None else tpu._tpu_state
     offset = state["offset"]
     state["offset"] = offset + 1
