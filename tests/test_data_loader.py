@@ -7,6 +7,7 @@ import multiprocessing
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -161,6 +162,12 @@ def test_early_break_leaves_no_worker_thread_or_pinned_buffer():
     torchtpu.sync()  # the copies issued ahead end; their buffers are freed
     assert _pinned_bytes() == base_bytes
     assert not multiprocessing.active_children()
+    # The pinning threads are told to stop and end on their own (under load,
+    # a moment later): a thread still alive after 10 s has leaked.
+    deadline = time.monotonic() + 10
+    while threading.active_count() > base_threads and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
     assert threading.active_count() <= base_threads  # (the pinning thread ended too)
 
 
