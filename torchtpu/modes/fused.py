@@ -282,13 +282,12 @@ class FusedExecutor(StrictExecutor):
         return x
 
     def concrete(self, storage, reason="read", to_host=False):
+        own_checks = False  # its index checks can be read from its own graph's flag
         if type(storage.array) is Pending:
             value = self._side_value(storage)
             if value is not None:
                 return value
             self.flush(reason)
-            if to_host:
-                self._start_copy(storage)
         elif bounds.unread and not self._graph.collectives and bounds.flag_pending() \
                 and bounds.depends_on_unread(storage):
             # Its value is known (its graph ran when a backward pass began),
@@ -300,12 +299,11 @@ class FusedExecutor(StrictExecutor):
             # while the device runs this one's backward; the later checks are
             # read at the next sync, their values marked lost if out of range.
             self.flush(reason)
-            if to_host:
-                self._start_copy(storage)
-            if bounds.checked_for(storage):
-                return storage.array
-        elif to_host:
+            own_checks = True
+        if to_host:
             self._start_copy(storage)
+        if own_checks and bounds.checked_for(storage):
+            return storage.array
         bounds.check()  # a read is a sync point: out-of-range indices raise here
         return storage.array
 
