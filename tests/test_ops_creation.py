@@ -90,7 +90,6 @@ def test_tensor_literal_every_dtype(dtype):
     both(lambda d: torch.ones(2, dtype=dtype, device=d))
 
 
-
 def test_tensor_of_0dim_tensors():
     # torch.tensor() reads each 0-dim tensor at the backend's _local_scalar_dense
     # (Hugging Face's SuppressTokensLogitsProcessor(list(ids))).
@@ -99,6 +98,7 @@ def test_tensor_of_0dim_tensors():
                                    device=d))
     cpu = torch.tensor(list(torch.tensor([3, 1], device="tpu")))
     assert cpu.device.type == "cpu" and torch.equal(cpu, torch.tensor([3, 1]))
+
 
 def test_like_and_new():
     x = torch.randn(3, 4)

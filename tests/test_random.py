@@ -86,7 +86,6 @@ def test_rng_state_round_trip():
     torch.testing.assert_close(torch.rand(5, device=DEV).cpu(), b, rtol=0, atol=0)
 
 
-
 def test_device_generator_as_cpus():
     """torch.Generator(device="tpu") (what Hugging Face's watermarking
     processors make, a Python backend's C++ hooks cannot): as a CPU generator
@@ -142,6 +141,7 @@ def test_another_devices_generator_raises_as_on_cuda(draw):
     with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"):
         draw(torch.Generator().manual_seed(0))
         torchtpu.sync()
+
 
 def test_no_recompile_per_call():
     x = torch.empty(16, device=DEV)
