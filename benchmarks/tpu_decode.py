@@ -29,7 +29,9 @@ Paths (rows MODEL:MODE):
 - compiled, compiled_static: HF's documented recipe,
   model.forward = torch.compile(model.forward, backend="tpu") (HF's own
   compile switched off so that it is the only one), in strict mode
-  (torchtpu's default) for what runs outside the compiled forward.
+  (torchtpu's default) for what runs outside the compiled forward;
+  fused_compiled_static: the same in fused mode, where generate()'s own
+  ops of a token and the compiled forward's call record one graph.
 
 Columns:
 - ms per token: (t64 - t1) / 63, where t64 and t1 are the medians of the
@@ -56,7 +58,17 @@ import time
 
 # (compiled last: with the dynamic cache it compiles once per cache length)
 MODES = ("jax", "cpu", "strict", "strict_static", "fused", "fused_static", "compiled_static",
-         "compiled")
+         "fused_compiled_static", "compiled")
+
+
+def eager_mode(mode):
+    """The eager mode a torchtpu row runs in: the row's first word, strict
+    for the compiled rows that do not name one."""
+    return "fused" if mode.startswith("fused") else "strict"
+
+
+def is_compiled(mode):
+    return "compiled" in mode
 MODELS = ("gpt2", "llama")
 SIZES = {
     False: {"gpt2": {},
@@ -237,13 +249,13 @@ def hf_generator(model, mode):
     device = "cpu"
     if mode != "cpu":
         import torchtpu
-        torchtpu.set_eager_mode("strict" if mode.startswith("compiled") else mode.split("_")[0])
+        torchtpu.set_eager_mode(eager_mode(mode))
         model = model.to("tpu")
         device = "tpu"
         # The eager rows measure the eager modes; the compiled rows' one
         # compile is theirs (see the module's docstring).
         kw["disable_compile"] = True
-        if mode.startswith("compiled"):
+        if is_compiled(mode):
             model.forward = torch.compile(model.forward, backend="tpu")
 
     def generate(prompt, n):
@@ -267,7 +279,7 @@ def _measure_batch(generate, mode, batch, model, smoke, profile, profile_dir):
     # (seconds each at full size).
     new, repeats = size["new"], 1 if mode == "cpu" and not smoke else size["repeats"]
     prompt, warm = prompts(model, batch, smoke)
-    compiled = mode.startswith("compiled")
+    compiled = is_compiled(mode)
     if compiled:
         from torch._dynamo.utils import counters
         torch._dynamo.reset()  # each batch's own graphs (and recompile limit)

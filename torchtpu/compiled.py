@@ -34,7 +34,6 @@ import typing
 
 import jax
 import jax.numpy as jnp
-import sympy
 import torch
 
 from . import bounds, cache, errors, modes
@@ -199,6 +198,7 @@ def _layouts(gm, args):
                  if isinstance(m, torch.SymInt) and type(a) is int
                  or isinstance(m, torch.Tensor) and isinstance(a, torch.Tensor)]
         bound = symbolic[0].node.shape_env.bind_symbols(*zip(*pairs)) if pairs else {}
+        import sympy  # (here, not at torchtpu's import: only symbolic sizes need it)
         values = {symbol: sympy.Integer(v) for symbol, v in bound.items()}
 
     def concrete(x):
