@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
-from torchtpu.tensor import GrownStorage
+from torchtpu.tensor import GrownStorage, Storage
 
 from conftest import assert_same
 
@@ -52,20 +52,25 @@ def test_ops_on_slices_of_varying_length_equal_cpu(mode):
 def _train(device, lengths, model, loss_fn, batch=4, vocab=50, uploaded=False):
     """SGD on batches sliced at a moving offset, of lengths from lengths (of
     data on the device, or uploaded: sliced on the host, their length marked
-    dynamic, then moved); returns losses, compilations per step and the
-    final parameters."""
+    dynamic (uploaded="marked") or not, then moved); returns losses,
+    compilations per step and the final parameters."""
     torch.manual_seed(0)
     model = model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     data = torch.randint(0, vocab, (600, batch), generator=torch.Generator().manual_seed(0))
-    data = data if uploaded else data.to(device)
+    if not uploaded:
+        # Each test's own batch width: this line moves datasets of several
+        # widths, which are no length that varies.
+        torch._dynamo.mark_static(data, 1)
+        data = data.to(device)
     losses, compiled, i = [], [], 0
     for n in lengths:
         before = _compilations()
         x, y = data[i:i + n], data[i + 1:i + 1 + n].reshape(-1)
-        if uploaded:
+        if uploaded == "marked":
             torch._dynamo.mark_dynamic(x, 0)
             torch._dynamo.mark_dynamic(y, 0)
+        if uploaded:
             x, y = x.to(device), y.to(device)
         loss = loss_fn(model, x, y)
         opt.zero_grad()
@@ -112,16 +117,52 @@ def test_batches_uploaded_with_their_length_marked_dynamic_compile_per_bucket(mo
     # Token ids and targets sliced on the host, each step at a new length,
     # marked dynamic (as for torch.compile), then moved: uploaded padded.
     lengths = WARM + [31, 20, 29, 22, 19, 32]
-    cpu_losses, _, cpu_params = _train("cpu", lengths, _Tagger, _tagger_loss, uploaded=True)
-    losses, compiled, params = _train("tpu", lengths, _Tagger, _tagger_loss, uploaded=True)
+    cpu_losses, _, cpu_params = _train("cpu", lengths, _Tagger, _tagger_loss, uploaded="marked")
+    losses, compiled, params = _train("tpu", lengths, _Tagger, _tagger_loss, uploaded="marked")
     assert losses == pytest.approx(cpu_losses, rel=1e-5)
     assert_same(params, cpu_params)
     assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
 
 
+def test_batches_uploaded_unmarked_compile_per_bucket_from_their_third_length(mode):
+    # The same batches moved as they are: from the third length met at
+    # that line on, the length is found varying and padded, as if marked.
+    lengths = WARM + [31, 20, 29, 22, 19, 32]
+    cpu_losses, _, cpu_params = _train("cpu", lengths, _Tagger, _tagger_loss, uploaded="as they are")
+    losses, compiled, params = _train("tpu", lengths, _Tagger, _tagger_loss, uploaded="as they are")
+    assert losses == pytest.approx(cpu_losses, rel=1e-5)
+    assert_same(params, cpu_params)
+    assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
+
+
+def test_a_varying_length_is_found_at_its_third_size_and_never_in_a_modules_tensors():
+    kinds = []
+    for n in [5, 9, 7, 6, 16]:
+        src = torch.arange(n * 3.0).reshape(n, 3) - 4
+        t = src.to("tpu")  # (one line: a batch whose length varies)
+        kinds.append(type(t._storage) is GrownStorage)
+        assert_same([t, t.sum(0), t * 2, t[-1], t.t() @ t], [src, src.sum(0), src * 2, src[-1], src.t() @ src])
+    assert kinds == [False, False, True, True, True]
+    # Datasets moved by one line in two sizes (train, test): as they are.
+    moved = [d.to("tpu") for d in (torch.randn(40, 3), torch.randn(24, 3))]
+    assert [type(d._storage) for d in moved] == [Storage, Storage]
+    # A module's tensors differ in shape from one .to() line: none is padded.
+    for _ in range(2):
+        model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 7), nn.BatchNorm1d(7),
+                              nn.Linear(7, 9), nn.BatchNorm1d(9)).to("tpu")
+        tensors = [*model.parameters(), *model.buffers()]
+        assert [type(t._storage) for t in tensors] == [Storage] * 21
+
+
 def _marked(t, *dims):
     for d in dims:
         torch._dynamo.mark_dynamic(t, d)
+    return t
+
+
+def _static(t, *dims):
+    for d in dims:
+        torch._dynamo.mark_static(t, d)
     return t
 
 
@@ -141,8 +182,8 @@ def test_uploads_padded_only_along_a_marked_dim(mode):
         assert type(u._storage) is GrownStorage
         assert_same([u, u.sum(1), u.softmax(0), u.reshape(-1)], [src.t(), src.t().sum(1), src.t().softmax(0),
                                                                    src.t().reshape(-1)])
-        # Not marked, or two dims marked: uploaded as they are.
-        assert type(src.to("tpu")._storage) is not GrownStorage
+        # Marked static, or two dims marked dynamic: uploaded as they are.
+        assert type(_static(src.clone(), 0).to("tpu")._storage) is not GrownStorage
         assert type(_marked(src.clone(), 0, 1).to("tpu")._storage) is not GrownStorage
         # Into a tensor a view of which exists: it keeps its storage, the view sees the data.
         buf = torch.empty(n, 3, device="tpu")

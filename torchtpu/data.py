@@ -37,6 +37,7 @@ import collections
 import torch
 
 from .buckets import Bucketer, replaced
+from .dispatch.lengths import uploads_as_they_are
 
 
 def to_device(batch, device):
@@ -68,7 +69,11 @@ def _ahead(batches, device, prefetch):
         while True:
             while batches is not None and len(queue) <= prefetch:
                 try:
-                    queue.append(to_device(next(batches), device))
+                    batch = next(batches)
+                    # The loader pads its batches itself (buckets), or was
+                    # told not to: no upload of it takes a length as varying.
+                    with uploads_as_they_are():
+                        queue.append(to_device(batch, device))
                 except StopIteration:
                     batches = None
                 except Exception as e:

@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch import nn
 
+from .dispatch.lengths import uploads_as_they_are
 from .tensor import DEVICE, HANDLE, TpuTensor
 
 _module_apply = nn.Module._apply
@@ -49,6 +50,12 @@ class _ConvertOnce:
         self.replaced = {}  # id(original parameter) -> its one new Parameter
 
     def __call__(self, t):
+        # A module's tensors, moved one by one, differ in shape, not length:
+        # none is padded as a batch whose length varies.
+        with uploads_as_they_are():
+            return self._convert(t)
+
+    def _convert(self, t):
         if not isinstance(t, nn.Parameter):
             return self.fn(t)
         seen = self.converted.get(id(t))

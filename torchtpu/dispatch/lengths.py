@@ -1,7 +1,8 @@
 """Bounded dynamism for lengths that vary from step to step: a batch of rows
 sliced from data on the device at a new length each step (`data[i:i + n]`
 with n varying, a last short batch), a batch uploaded from the host with a
-dim marked dynamic (marked_upload), and the tensors computed from them.
+dim marked dynamic or found varying between uploads from one line
+(marked_upload), and the tensors computed from them.
 Without it every op on them compiles one kernel per length (in fused mode,
 one graph per length).
 
@@ -41,13 +42,14 @@ same values, compiled per length (the advisor names the line).
 
 TORCHTPU_LENGTHS=off (ENABLED) pads no slice and no stack.
 """
+import contextlib
 import math
 import typing
 import weakref
 
 import torch
 
-from .. import config
+from .. import config, errors
 from ..ops import LOWERINGS
 from ..tensor import GrownStorage, Storage, TpuTensor, View, make_view, view_tensor, whole_tensor
 from .core import _run_lowered, dispatch, plan_of
@@ -171,13 +173,17 @@ def _same(*operands):
 
 
 def _aligned(*operands):
-    """operands padded alike (to the largest capacity among them: targets
-    flattened on the host come padded as [batch * length] rows, the scores
-    for them as [length] rows of batch), or None when their extents differ."""
+    """operands padded alike, as the first one is (cut or padded with zeros
+    past the extent: targets flattened on the host come padded as [batch *
+    length] rows, the scores for them as [length] rows of batch; a result
+    keeps the first operand's capacity, so that the ops after it, the
+    backward of the view that flattened the scores, read it padded), or
+    None when their extents differ."""
     if len({o.extent for o in operands}) != 1:
         return None
-    capacity = max(o.capacity for o in operands)
+    capacity = operands[0].capacity
     return [o if o.capacity == capacity else Operand(
+        dispatch(aten.slice.Tensor, (o.padded, o.dim, 0, capacity), {}) if o.capacity > capacity else
         dispatch(aten.constant_pad_nd.default,
                  (o.padded, [0, 0] * (o.padded.dim() - 1 - o.dim) + [0, capacity - o.capacity], 0), {}),
         o.dim, o.extent, capacity) for o in operands]
@@ -350,9 +356,12 @@ def _softmax(func, args, kwargs):
 def _softmax_backward(func, args, kwargs):
     grad, output, dim = args[0], args[1], args[2]
     og, oo = operand(grad), operand(output)
-    if (og is None or oo is None or kwargs or og.dim != oo.dim or not _same(og, oo)
-            or og.dim == dim % grad.dim()):
+    if og is None or oo is None or kwargs or og.dim != oo.dim or og.dim == dim % grad.dim():
         return NotImplemented
+    found = _aligned(oo, og)  # (the gradient of a loss over targets of their own capacity)
+    if found is None:
+        return NotImplemented
+    oo, og = found
     return _result(dispatch(func, (og.padded, oo.padded, *args[2:]), {}), og.dim, og.extent)
 
 
@@ -451,16 +460,85 @@ def _stack(tensors, dim=0):
     return grown_tensor(out, 0, n, out.dtype)
 
 
-def marked_upload(src, host, device):
-    """The tpu tensor an upload of src (as host: its values, contiguous)
-    becomes when one dim of src is marked dynamic, as torch.compile's users
-    mark a length that varies (`torch._dynamo.mark_dynamic(batch, 0)`):
-    padded along that dim to its bucket, zeros past the length; None for
-    any other upload (as it is)."""
-    dims = getattr(src, "_dynamo_dynamic_indices", None)
-    if not dims or not ENABLED or len(dims) != 1 or src.shape != host.shape:
+# (user's file, line, rank, dtype) -> [the shape last uploaded there, the
+# dim whose size changed, the sizes it has had, whether it varies]: where
+# uploads have come from, as torch.compile's automatic dynamic shapes
+# remember a frame's sizes.
+_upload_sites = {}
+_UPLOAD_SITES = 4096
+VARYING_AFTER = 3  # distinct sizes of one dim at one line: a batch's length
+_as_they_are = [0]  # > 0: uploads that are not a program's batches (a module's .to())
+
+
+@contextlib.contextmanager
+def uploads_as_they_are():
+    """Uploads inside take no dim as varying (a module's parameters and
+    buffers, moved one by one from one line, differ in shape, not length)."""
+    _as_they_are[0] += 1
+    try:
+        yield
+    finally:
+        _as_they_are[0] -= 1
+
+
+def _varying_dim(src, host, frame):
+    """The dim of an unmarked upload that varies between uploads from the
+    same line of the user's, or None. A dim varies once uploads from that
+    line have had VARYING_AFTER sizes along it, with the other dims, the
+    rank and the dtype the same: a batch's length, which changes every
+    step. A dataset moved by a helper at one line in two sizes (train and
+    test) does not, nor does a dim marked static
+    (`torch._dynamo.mark_static(t, dim)`)."""
+    if _as_they_are[0] or host.dim() == 0:
         return None
-    (dim,) = dims
+    file, line = errors.user_site(frame)
+    if not line:
+        return None
+    key, shape = (file, line, host.dim(), host.dtype), tuple(host.shape)
+    seen = _upload_sites.get(key)
+    if seen is None:
+        if len(_upload_sites) >= _UPLOAD_SITES:
+            del _upload_sites[next(iter(_upload_sites))]
+        _upload_sites[key] = [shape, None, set(), False]
+        return None
+    last, dim, sizes, varies = seen
+    changed = [d for d in range(len(shape)) if shape[d] != last[d]]
+    seen[0] = shape
+    if changed and changed != [dim]:
+        static = getattr(src, "_dynamo_static_indices", ())
+        if len(changed) != 1 or changed[0] in static:
+            seen[1:] = [None, set(), False]
+            return None
+        dim = seen[1] = changed[0]
+        sizes.clear()
+        sizes.add(last[dim])
+        varies = seen[3] = False
+    if dim is None:
+        return None
+    if not varies:
+        sizes.add(shape[dim])
+        varies = seen[3] = len(sizes) >= VARYING_AFTER
+    return dim if varies else None
+
+
+def marked_upload(src, host, device, frame=None):
+    """The tpu tensor an upload of src (as host: its values, contiguous)
+    becomes when one dim of src varies: marked dynamic, as torch.compile's
+    users mark a length that varies (`torch._dynamo.mark_dynamic(batch,
+    0)`), or found varying between uploads from the user's line in frame
+    (_varying_dim): padded along that dim to its bucket, zeros past the
+    length; None for any other upload (as it is)."""
+    if not ENABLED or src.shape != host.shape:
+        return None
+    dims = getattr(src, "_dynamo_dynamic_indices", None)
+    if dims:
+        if len(dims) != 1:
+            return None
+        (dim,) = dims
+    else:
+        dim = _varying_dim(src, host, frame)
+        if dim is None:
+            return None
     if not 0 <= dim < host.dim() or host.shape[dim] == 0:
         return None
     n = host.shape[dim]

@@ -31,9 +31,10 @@ def _copy_(dst, src, non_blocking=False):
             # dst is its whole storage (as .to("tpu") makes it): the upload
             # becomes the storage's array, with no copy kernel.
             modes.current().replaced(dst._storage)
-            # Held by dst alone (no view of it): a dim marked dynamic comes
+            # Held by dst alone (no view of it): a dim marked dynamic, or
+            # found varying between uploads from the user's line, comes
             # padded, in a storage of its own.
-            padded = lengths.marked_upload(src, host, dst._storage.device) \
+            padded = lengths.marked_upload(src, host, dst._storage.device, sys._getframe(1)) \
                 if sys.getrefcount(dst._storage) == 2 else None
             if padded is not None:
                 dst._storage = padded._storage
