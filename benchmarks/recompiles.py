@@ -15,7 +15,11 @@ Workloads, each trained by hand as its model's usual script does:
   fake batch, then the generator, with five reads a step;
 - `lstm varying`: the LSTM over sequences of lengths 17..64 (24 steps),
   after 24 steps at length 64 in the same process (the cost is the varying
-  run's alone; "fixed" rows give the 24 steps at length 64 for reference).
+  run's alone; "fixed" rows give the 24 steps at length 64 for reference);
+- `lstm uploaded varying` and `lstm uploaded fixed`: the LSTM's 24 steps
+  of lengths 17..64, and of length 64, each in its own process, each
+  batch made on the host and moved unmarked (`x.to(device)`, its targets
+  flat), as a script without a device-side dataset feeds it.
 
 Columns: the first steps' wall time (10 steps; 24 for the LSTM runs of
 fixed and varying length; compilation included), the steady
@@ -37,8 +41,10 @@ sys.path.insert(0, HERE)
 
 from common import print_rows, table, worker_rows  # noqa: E402
 
-WORKLOADS = ("lstm", "gpt", "moving slice", "gan", "lstm varying")
+WORKLOADS = ("lstm", "gpt", "moving slice", "gan", "lstm varying", "lstm uploaded fixed",
+             "lstm uploaded varying")
 MODES = ("strict", "fused")
+VARYING = [17 + (i * 47) % 48 for i in range(24)]  # 24 lengths in 17..64
 
 
 def _compilations(torchtpu):
@@ -64,18 +70,22 @@ def _lstm_model(torch, vocab=1000, width=32, layers=2):
     return RNNModel(), vocab, layers, width
 
 
-def _lstm_steps(torch, device, lengths, batch=20):
+def _lstm_steps(torch, device, lengths, batch=20, uploaded=False):
     """A step function of the word language model; each call trains on the
-    next batch, of the next length in lengths (cycled)."""
+    next batch, of the next length in lengths (cycled), sliced from data on
+    the device, or on the host and moved (uploaded)."""
     model, vocab, layers, width = _lstm_model(torch)
     model.to(device).train()
-    data = torch.randint(0, vocab, (4000, batch), generator=torch.Generator().manual_seed(0)).to(device)
+    data = torch.randint(0, vocab, (4000, batch), generator=torch.Generator().manual_seed(0))
+    data = data if uploaded else data.to(device)
     state = {"i": 0, "n": 0, "hidden": None}
 
     def step():
         n = lengths[state["n"] % len(lengths)]
         i = state["i"] if state["i"] + n + 1 <= data.shape[0] else 0
         x, y = data[i:i + n], data[i + 1:i + 1 + n].reshape(-1)
+        if uploaded:
+            x, y = x.to(device), y.to(device)
         hidden = state["hidden"]
         if hidden is None:
             hidden = tuple(torch.zeros(layers, batch, width, device=device) for _ in range(2))
@@ -210,12 +220,18 @@ def _worker(workload, mode):
         rows = [{"workload": "lstm fixed (24 steps at 64)", "mode": mode, "steps": 24, "first": took,
                  "steady_ms": float("nan"), "compile_s": compile_s, "background_s": float("nan"),
                  "later": compiles}]
-        varying = _lstm_steps(torch, device, [17 + (i * 47) % 48 for i in range(24)])
+        varying = _lstm_steps(torch, device, VARYING)
         took, compile_s, compiles = _timed(torchtpu, varying, 24)
         rows.append({"workload": "lstm varying (24 steps, 17..64, after it)", "mode": mode,
                      "steps": 24, "first": took, "steady_ms": float("nan"), "compile_s": compile_s,
                      "background_s": float("nan"), "later": compiles})
         return rows
+    if workload.startswith("lstm uploaded"):
+        step = _lstm_steps(torch, device, VARYING if workload.endswith("varying") else [64], uploaded=True)
+        took, compile_s, compiles = _timed(torchtpu, step, 24)
+        return [{"workload": workload + " (24 steps)", "mode": mode, "steps": 24, "first": took,
+                 "steady_ms": float("nan"), "compile_s": compile_s, "background_s": float("nan"),
+                 "later": compiles}]
     step = {"lstm": lambda: _lstm_steps(torch, device, [35]), "gpt": lambda: _gpt_steps(torch, device),
             "moving slice": lambda: _moving_slice_steps(torch, device),
             "gan": lambda: _gan_steps(torch, device)}[workload]()
