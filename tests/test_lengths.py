@@ -124,7 +124,15 @@ def test_batches_uploaded_with_their_length_marked_dynamic_compile_per_bucket(mo
     assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
 
 
-def test_batches_uploaded_unmarked_compile_per_bucket_from_their_third_length(mode):
+@pytest.fixture
+def no_compiled_graphs(monkeypatch):
+    """A process where torch.compile has made no graph (an earlier test's
+    would leave uploads' lengths to Dynamo, as in a program that compiles)."""
+    from torch._dynamo.utils import counters
+    monkeypatch.setitem(counters["stats"], "unique_graphs", 0)
+
+
+def test_batches_uploaded_unmarked_compile_per_bucket_from_their_third_length(mode, no_compiled_graphs):
     # The same batches moved as they are: from the third length met at
     # that line on, the length is found varying and padded, as if marked.
     lengths = WARM + [31, 20, 29, 22, 19, 32]
@@ -135,17 +143,26 @@ def test_batches_uploaded_unmarked_compile_per_bucket_from_their_third_length(mo
     assert compiled[len(WARM):] == [0] * (len(lengths) - len(WARM)), compiled
 
 
-def test_a_varying_length_is_found_at_its_third_size_and_never_in_a_modules_tensors():
+def test_a_varying_length_is_found_at_its_third_size_in_as_many_steps_never_in_a_modules_tensors(
+        no_compiled_graphs):
+    w = torch.zeros(3, device="tpu", requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.1)
     kinds = []
-    for n in [5, 9, 7, 6, 16]:
+    for i, n in enumerate([5, 9, 7, 6, 16, 10, 12]):
+        if i == 5:  # once torch.compile has made a graph, the lengths are Dynamo's to find
+            torch._dynamo.utils.counters["stats"]["unique_graphs"] += 1
         src = torch.arange(n * 3.0).reshape(n, 3) - 4
-        t = src.to("tpu")  # (one line: a batch whose length varies)
+        t = src.to("tpu")  # (one line: a batch whose length varies from step to step)
         kinds.append(type(t._storage) is GrownStorage)
         assert_same([t, t.sum(0), t * 2, t[-1], t.t() @ t], [src, src.sum(0), src * 2, src[-1], src.t() @ src])
-    assert kinds == [False, False, True, True, True]
-    # Datasets moved by one line in two sizes (train, test): as they are.
-    moved = [d.to("tpu") for d in (torch.randn(40, 3), torch.randn(24, 3))]
-    assert [type(d._storage) for d in moved] == [Storage, Storage]
+        (t * w).sum().backward()
+        opt.step()
+    assert kinds == [False, False, True, True, True, False, False]
+    # Sizes moved by one line within a step (a helper), or a dataset in two
+    # sizes (train, test): as they are.
+    moved = [torch.randn(n, 3).to("tpu") for n in (5, 9, 7, 6, 11)]
+    moved += [d.to("tpu") for d in (torch.randn(40, 3), torch.randn(24, 3))]
+    assert [type(d._storage) for d in moved] == [Storage] * 7
     # A module's tensors differ in shape from one .to() line: none is padded.
     for _ in range(2):
         model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 7), nn.BatchNorm1d(7),

@@ -44,12 +44,13 @@ TORCHTPU_LENGTHS=off (ENABLED) pads no slice and no stack.
 """
 import contextlib
 import math
+import sys
 import typing
 import weakref
 
 import torch
 
-from .. import config, errors
+from .. import config, errors, metrics
 from ..ops import LOWERINGS
 from ..tensor import GrownStorage, Storage, TpuTensor, View, make_view, view_tensor, whole_tensor
 from .core import _run_lowered, dispatch, plan_of
@@ -461,12 +462,12 @@ def _stack(tensors, dim=0):
 
 
 # (user's file, line, rank, dtype) -> [the shape last uploaded there, the
-# dim whose size changed, the sizes it has had, whether it varies]: where
-# uploads have come from, as torch.compile's automatic dynamic shapes
-# remember a frame's sizes.
+# dim whose size changed, {size: the training step it was met at}, whether
+# it varies]: where uploads have come from, as torch.compile's automatic
+# dynamic shapes remember a frame's sizes.
 _upload_sites = {}
 _UPLOAD_SITES = 4096
-VARYING_AFTER = 3  # distinct sizes of one dim at one line: a batch's length
+VARYING_AFTER = 3  # sizes of one dim at one line, in as many training steps
 _as_they_are = [0]  # > 0: uploads that are not a program's batches (a module's .to())
 
 
@@ -481,14 +482,24 @@ def uploads_as_they_are():
         _as_they_are[0] -= 1
 
 
+def _dynamo_compiled():
+    """Whether torch.compile has made a graph in this process: its inputs'
+    varying sizes are Dynamo's to find (automatic dynamic shapes), and a
+    compiled graph takes no padded input."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return dynamo is not None and dynamo.counters["stats"]["unique_graphs"] > 0
+
+
 def _varying_dim(src, host, frame):
     """The dim of an unmarked upload that varies between uploads from the
     same line of the user's, or None. A dim varies once uploads from that
-    line have had VARYING_AFTER sizes along it, with the other dims, the
-    rank and the dtype the same: a batch's length, which changes every
-    step. A dataset moved by a helper at one line in two sizes (train and
-    test) does not, nor does a dim marked static
-    (`torch._dynamo.mark_static(t, dim)`)."""
+    line have had VARYING_AFTER sizes along it in as many training steps
+    (optimizer steps), with the other dims, the rank and the dtype the
+    same: a batch's length, which changes from step to step. Not a dataset
+    moved by a helper line in two sizes (train, test), tensors moved by a
+    helper between steps (inference, tests), a dim marked static
+    (`torch._dynamo.mark_static(t, dim)`), nor anything once torch.compile
+    has made a graph."""
     if _as_they_are[0] or host.dim() == 0:
         return None
     file, line = errors.user_site(frame)
@@ -499,7 +510,7 @@ def _varying_dim(src, host, frame):
     if seen is None:
         if len(_upload_sites) >= _UPLOAD_SITES:
             del _upload_sites[next(iter(_upload_sites))]
-        _upload_sites[key] = [shape, None, set(), False]
+        _upload_sites[key] = [shape, None, {}, False]
         return None
     last, dim, sizes, varies = seen
     changed = [d for d in range(len(shape)) if shape[d] != last[d]]
@@ -507,18 +518,19 @@ def _varying_dim(src, host, frame):
     if changed and changed != [dim]:
         static = getattr(src, "_dynamo_static_indices", ())
         if len(changed) != 1 or changed[0] in static:
-            seen[1:] = [None, set(), False]
+            seen[1:] = [None, {}, False]
             return None
         dim = seen[1] = changed[0]
         sizes.clear()
-        sizes.add(last[dim])
+        sizes[last[dim]] = None  # (met before this step's count was known)
         varies = seen[3] = False
     if dim is None:
         return None
     if not varies:
-        sizes.add(shape[dim])
-        varies = seen[3] = len(sizes) >= VARYING_AFTER
-    return dim if varies else None
+        sizes.setdefault(shape[dim], metrics.M.steps)
+        steps = set(sizes.values())
+        varies = seen[3] = len(sizes) >= VARYING_AFTER and len(steps - {None}) >= VARYING_AFTER - 1
+    return dim if varies and not _dynamo_compiled() else None
 
 
 def marked_upload(src, host, device, frame=None):
