@@ -461,10 +461,10 @@ def _stack(tensors, dim=0):
     return grown_tensor(out, 0, n, out.dtype)
 
 
-# (user's file, line, rank, dtype) -> [the shape last uploaded there, the
-# dim whose size changed, {size: the training step it was met at}, whether
-# it varies]: where uploads have come from, as torch.compile's automatic
-# dynamic shapes remember a frame's sizes.
+# (user's file, line, rank, dtype) -> [the shape last uploaded there and
+# the training step it came at, the dim whose size changed, {size: the step
+# it was first met at}, whether it varies]: where uploads have come from, as
+# torch.compile's automatic dynamic shapes remember a frame's sizes.
 _upload_sites = {}
 _UPLOAD_SITES = 4096
 VARYING_AFTER = 3  # sizes of one dim at one line, in as many training steps
@@ -505,31 +505,28 @@ def _varying_dim(src, host, frame):
     file, line = errors.user_site(frame)
     if not line:
         return None
-    key, shape = (file, line, host.dim(), host.dtype), tuple(host.shape)
+    key, shape, step = (file, line, host.dim(), host.dtype), tuple(host.shape), metrics.M.steps
     seen = _upload_sites.get(key)
     if seen is None:
         if len(_upload_sites) >= _UPLOAD_SITES:
             del _upload_sites[next(iter(_upload_sites))]
-        _upload_sites[key] = [shape, None, {}, False]
+        _upload_sites[key] = [shape, step, None, {}, False]
         return None
-    last, dim, sizes, varies = seen
+    last, last_step, dim, sizes, varies = seen
     changed = [d for d in range(len(shape)) if shape[d] != last[d]]
-    seen[0] = shape
+    seen[:2] = shape, step
     if changed and changed != [dim]:
         static = getattr(src, "_dynamo_static_indices", ())
         if len(changed) != 1 or changed[0] in static:
-            seen[1:] = [None, {}, False]
+            seen[2:] = [None, {}, False]
             return None
-        dim = seen[1] = changed[0]
-        sizes.clear()
-        sizes[last[dim]] = None  # (met before this step's count was known)
-        varies = seen[3] = False
+        dim, sizes, varies = changed[0], {last[changed[0]]: last_step}, False
+        seen[2:] = [dim, sizes, varies]
     if dim is None:
         return None
     if not varies:
-        sizes.setdefault(shape[dim], metrics.M.steps)
-        steps = set(sizes.values())
-        varies = seen[3] = len(sizes) >= VARYING_AFTER and len(steps - {None}) >= VARYING_AFTER - 1
+        sizes.setdefault(shape[dim], step)
+        varies = seen[4] = len(sizes) >= VARYING_AFTER and len(set(sizes.values())) >= VARYING_AFTER
     return dim if varies and not _dynamo_compiled() else None
 
 
