@@ -59,16 +59,6 @@ import time
 # (compiled last: with the dynamic cache it compiles once per cache length)
 MODES = ("jax", "cpu", "strict", "strict_static", "fused", "fused_static", "compiled_static",
          "fused_compiled_static", "compiled")
-
-
-def eager_mode(mode):
-    """The eager mode a torchtpu row runs in: the row's first word, strict
-    for the compiled rows that do not name one."""
-    return "fused" if mode.startswith("fused") else "strict"
-
-
-def is_compiled(mode):
-    return "compiled" in mode
 MODELS = ("gpt2", "llama")
 SIZES = {
     False: {"gpt2": {},
@@ -239,6 +229,16 @@ def jax_generator(model, name, smoke):
 
 
 # ---- Hugging Face generate() ------------------------------------------------------
+
+def eager_mode(mode):
+    """The eager mode a torchtpu row runs in: the row's first word, strict
+    for the compiled rows that do not name one."""
+    return "fused" if mode.startswith("fused") else "strict"
+
+
+def is_compiled(mode):
+    return "compiled" in mode
+
 
 def hf_generator(model, mode):
     """generate(prompt, n) -> HF's greedy tokens (on CPU) of the row's path."""

@@ -44,13 +44,22 @@ def initial_seed():
     return _state["seed"] & 0xFFFFFFFFFFFFFFFF
 
 
+def _state_tensor(state):
+    """A generator's (seed, offset) as the uint8 tensor get_state gives."""
+    return torch.tensor([state["seed"], state["offset"]], dtype=torch.int64).view(torch.uint8)
+
+
+def _load_state(state, new_state):
+    seed_, offset = new_state.cpu().contiguous().view(torch.int64).tolist()
+    state.update(seed=_signed64(seed_), offset=offset)
+
+
 def get_rng_state(device="tpu"):
-    return torch.tensor([_state["seed"], _state["offset"]], dtype=torch.int64).view(torch.uint8)
+    return _state_tensor(_state)
 
 
 def set_rng_state(new_state, device="tpu"):
-    seed_, offset = new_state.cpu().contiguous().view(torch.int64).tolist()
-    _state["seed"], _state["offset"] = _signed64(seed_), offset
+    _load_state(_state, new_state)
 
 
 def position():
@@ -87,10 +96,6 @@ def next_key(generator=None, op=None, replayed=False):
 
 
 _TPU_GENERATORS = weakref.WeakValueDictionary()  # C++ generator address -> tpu Generator
-
-
-def _state_tensor(state):
-    return torch.tensor([state["seed"], state["offset"]], dtype=torch.int64).view(torch.uint8)
 
 
 class _GeneratorType(type(torch._C.Generator)):
@@ -166,8 +171,7 @@ class Generator(torch._C.Generator, metaclass=_GeneratorType):
     def set_state(self, new_state):
         if self._tpu_index is None:
             return super().set_state(new_state)
-        seed_, offset = new_state.cpu().contiguous().view(torch.int64).tolist()
-        self._tpu_state.update(seed=_signed64(seed_), offset=offset)
+        _load_state(self._tpu_state, new_state)
         return self
 
     def get_offset(self):
